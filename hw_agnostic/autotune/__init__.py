@@ -1,0 +1,1 @@
+"""Device naming, the config-key policy, tuned-config files and the tuner."""

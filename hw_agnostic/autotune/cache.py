@@ -1,0 +1,286 @@
+"""Tuned-config files: where a kernel's launch config for a key comes from.
+
+Layout: ``<root>/<platform>/<kernel>.json`` with
+
+.. code-block:: json
+
+    {"schema_version": 1, "kernel": "rms_norm", "platform": "nvidia_h100",
+     "source_hash": "<sha256 of the kernel's source>",
+     "default": {"config": {...}},
+     "entries": [{"key": {"hidden": 4096, "dtype": "bfloat16", "tokens": 16},
+                  "config": {...}, "time_us": 5.1}],
+     "tuned_with": {"torch": "...", "triton": "...", "device_name": "..."}}
+
+Two roots are searched, the user's first: ``$HW_AGNOSTIC_CACHE_DIR`` (default
+``~/.cache/hw_agnostic/autotune_cache``), then the directory shipped in the package. For a key
+the lookup takes, in order: an exact entry, the nearest token bucket with the same static
+fields (see :mod:`.keys`), the file's default entry, and finally the kernel's built-in default.
+
+A missing, unreadable, corrupt, stale (the kernel's source changed since tuning) or foreign
+(another kernel's or platform's) file is skipped with one warning; a lookup never raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from .keys import KeyValue, key_string, nearest_key
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+SHIPPED_ROOT = Path(__file__).resolve().parent.parent / "autotune_cache"
+USER_ROOT_ENV = "HW_AGNOSTIC_CACHE_DIR"
+
+Source = Literal["user", "shipped", "default"]
+Match = Literal["exact", "nearest", "file-default", "builtin"]
+
+
+class TunableKernel(Protocol):
+    """What the cache needs to know of a kernel (see :class:`hw_agnostic.kernels.KernelSpec`)."""
+
+    name: str
+
+    @property
+    def source_hash(self) -> str: ...
+
+    def default_config(self, key: Mapping[str, KeyValue]) -> dict[str, Any]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigChoice:
+    """A launch config and where it came from."""
+
+    config: dict[str, Any]
+    source: Source
+    match: Match
+    key: dict[str, KeyValue]
+    path: str | None = None
+
+    def describe(self) -> str:
+        where = f" ({self.path})" if self.path else ""
+        return f"{self.source}/{self.match}{where}"
+
+
+def user_root() -> Path:
+    configured = os.environ.get(USER_ROOT_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "hw_agnostic" / "autotune_cache"
+
+
+def config_path(root: Path, platform: str, kernel: str) -> Path:
+    return root / platform / f"{kernel}.json"
+
+
+# --------------------------------------------------------------------------------------------
+# reading
+
+
+class CacheFileError(Exception):
+    """Why a config file cannot be used."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _ParsedFile:
+    entries: dict[str, tuple[dict[str, KeyValue], dict[str, Any]]]
+    default: dict[str, Any] | None
+
+
+_parsed: dict[Path, tuple[tuple[int, int], _ParsedFile]] = {}
+_warned: set[tuple[str, str]] = set()
+_listeners: list[Callable[[], None]] = []
+
+
+def on_change(callback: Callable[[], None]) -> None:
+    """Call ``callback`` whenever tuned configs change (a save or :func:`invalidate`)."""
+    _listeners.append(callback)
+
+
+def invalidate() -> None:
+    """Forget parsed files and warnings, and tell listeners (ops drop their cached plans)."""
+    _parsed.clear()
+    _warned.clear()
+    for callback in _listeners:
+        callback()
+
+
+def _warn_once(path: Path, reason: str) -> None:
+    marker = (str(path), reason)
+    if marker not in _warned:
+        _warned.add(marker)
+        log.warning("hw_agnostic: ignoring tuned configs in %s: %s; using defaults", path, reason)
+
+
+def parse_file(path: Path, kernel: TunableKernel, platform: str) -> _ParsedFile:
+    """Read and check one config file; raises :class:`CacheFileError` saying what is wrong."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise CacheFileError(f"unreadable ({err.strerror or err})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise CacheFileError(f"corrupt JSON ({err.msg} at line {err.lineno})") from None
+    if not isinstance(data, dict):
+        raise CacheFileError("corrupt: top level is not an object")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise CacheFileError(
+            f"schema_version {data.get('schema_version')!r}, this library reads {SCHEMA_VERSION}"
+        )
+    if data.get("kernel") != kernel.name or data.get("platform") != platform:
+        raise CacheFileError(
+            f"foreign file: it is for kernel {data.get('kernel')!r} on {data.get('platform')!r}, "
+            f"not {kernel.name!r} on {platform!r}"
+        )
+    if data.get("source_hash") != kernel.source_hash:
+        raise CacheFileError("stale: the kernel's source changed since these configs were tuned")
+    raw_entries = data.get("entries", [])
+    default = data.get("default")
+    if not isinstance(raw_entries, list) or (default is not None and not _is_config_holder(default)):
+        raise CacheFileError("corrupt: 'entries' must be a list and 'default' an object with 'config'")
+    entries = {}
+    for index, entry in enumerate(raw_entries):
+        if not (_is_config_holder(entry) and isinstance(entry.get("key"), dict)):
+            raise CacheFileError(f"corrupt: entry {index} lacks an object 'key' or 'config'")
+        entries[key_string(entry["key"])] = (entry["key"], entry["config"])
+    return _ParsedFile(entries=entries, default=default["config"] if default else None)
+
+
+def _is_config_holder(value: Any) -> bool:
+    return isinstance(value, dict) and isinstance(value.get("config"), dict)
+
+
+def _load(path: Path, kernel: TunableKernel, platform: str, *, expected: bool) -> _ParsedFile | None:
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        if expected:
+            _warn_once(path, "no tuned configs for this platform (run `make autotune`)")
+        return None
+    except OSError as err:
+        _warn_once(path, f"unreadable ({err.strerror or err})")
+        return None
+    stamp = (stat.st_mtime_ns, stat.st_size)
+    cached = _parsed.get(path)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    try:
+        parsed = parse_file(path, kernel, platform)
+    except CacheFileError as err:
+        _warn_once(path, str(err))
+        return None
+    _parsed[path] = (stamp, parsed)
+    return parsed
+
+
+def lookup(
+    kernel: TunableKernel, platform: str, key: Mapping[str, KeyValue], *, warn_if_missing: bool = True
+) -> ConfigChoice:
+    """The config to launch ``kernel`` with for ``key`` on ``platform``; never raises."""
+    key = dict(key)
+    files: list[tuple[Source, Path, _ParsedFile]] = []
+    for source, root in (("user", user_root()), ("shipped", SHIPPED_ROOT)):
+        path = config_path(root, platform, kernel.name)
+        # A missing user file is the normal case; a missing shipped file is worth one warning.
+        parsed = _load(path, kernel, platform, expected=warn_if_missing and source == "shipped")
+        if parsed is not None:
+            files.append((source, path, parsed))
+
+    wanted = key_string(key)
+    for source, path, parsed in files:
+        if wanted in parsed.entries:
+            return ConfigChoice(dict(parsed.entries[wanted][1]), source, "exact", key, str(path))
+    for source, path, parsed in files:
+        near = nearest_key(key, (stored for stored, _ in parsed.entries.values()))
+        if near is not None:
+            return ConfigChoice(dict(parsed.entries[key_string(near)][1]), source, "nearest", key, str(path))
+    for source, path, parsed in files:
+        if parsed.default is not None:
+            return ConfigChoice(dict(parsed.default), source, "file-default", key, str(path))
+    return ConfigChoice(kernel.default_config(key), "default", "builtin", key)
+
+
+# --------------------------------------------------------------------------------------------
+# writing
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    lock_path = path.with_name(path.name + ".lock")
+    with open(lock_path, "a") as handle:
+        try:
+            import fcntl
+
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except ImportError:  # not POSIX: last writer wins
+            pass
+        yield
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def save_entry(
+    kernel: TunableKernel,
+    platform: str,
+    key: Mapping[str, KeyValue],
+    config: Mapping[str, Any],
+    *,
+    time_us: float | None,
+    root: Path | None = None,
+    tuned_with: Mapping[str, str] | None = None,
+    as_default: bool = False,
+) -> Path:
+    """Add (or replace) one entry, atomically; a stale or corrupt file is started afresh."""
+    root = user_root() if root is None else Path(root)
+    path = config_path(root, platform, kernel.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path):
+        try:
+            parse_file(path, kernel, platform)
+            data = json.loads(path.read_text())
+        except CacheFileError as err:
+            if path.exists():
+                log.warning("hw_agnostic: replacing %s (%s)", path, err)
+            data = {}
+        entries = [e for e in data.get("entries", []) if key_string(e["key"]) != key_string(key)]
+        entry: dict[str, Any] = {"key": dict(key), "config": dict(config)}
+        if time_us is not None:
+            entry["time_us"] = round(float(time_us), 3)
+        entries.append(entry)
+        entries.sort(key=lambda e: key_string(e["key"]))
+        document = {
+            "schema_version": SCHEMA_VERSION,
+            "kernel": kernel.name,
+            "platform": platform,
+            "source_hash": kernel.source_hash,
+            "default": {"config": dict(config)} if as_default else data.get("default"),
+            "entries": entries,
+            "tuned_with": dict(tuned_with or data.get("tuned_with") or {}),
+        }
+        if document["default"] is None:
+            del document["default"]
+        _atomic_write(path, json.dumps(document, indent=1, sort_keys=False) + "\n")
+    invalidate()
+    return path

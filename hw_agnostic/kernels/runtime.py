@@ -1,0 +1,98 @@
+"""What every kernel module shares: a tunable-kernel description and a Helion launcher.
+
+:class:`KernelSpec` names a kernel's tuned-config namespace, the DSL functions whose source the
+tuned configs depend on, its built-in default config and its search space.
+
+:class:`HelionFunction` compiles a Helion kernel for one explicit config and hands back Helion's
+generated host function, so the hot path is one call into generated code: Helion's own per-call
+binding (tens of microseconds) runs once per specialisation, when an op builds its plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .interpret import interpreter_mode
+
+Config = dict[str, Any]
+INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KernelSpec:
+    """A tunable kernel: config namespace, source, default config and search space."""
+
+    name: str
+    functions: tuple[Callable[..., Any], ...]
+    default_config: Callable[[Mapping[str, Any]], Config]
+    candidate_configs: Callable[[Mapping[str, Any]], list[Config]]
+
+    @functools.cached_property
+    def source_hash(self) -> str:
+        digest = hashlib.sha256(self.name.encode())
+        for fn in self.functions:
+            digest.update(inspect.getsource(getattr(fn, "fn", fn)).encode())
+        return digest.hexdigest()[:16]
+
+
+def helion_available() -> str | None:
+    """None when Helion imports, else why not."""
+    try:
+        import helion  # noqa: F401
+    except Exception as err:  # ImportError, or an Inductor mismatch inside Helion
+        return f"helion is not importable ({type(err).__name__}: {err})"
+    return None
+
+
+class HelionFunction:
+    """One Helion kernel function, compiled per (config, index width, argument specialisation)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self._kernels: dict[bool, Any] = {}
+
+    def _kernel(self, int64: bool) -> Any:
+        kernel = self._kernels.get(int64)
+        if kernel is None:
+            import helion
+
+            kernel = helion.kernel(
+                self.fn,
+                static_shapes=False,
+                index_dtype=torch.int64 if int64 else torch.int32,
+                autotune_effort="none",
+            )
+            self._kernels[int64] = kernel
+        return kernel
+
+    def compile(self, config: Config, args: tuple[Any, ...], *, int64: bool) -> Callable[..., Any]:
+        """A callable running the kernel with ``config`` on arguments specialised like ``args``.
+
+        The result is valid for any arguments with the same dtypes, devices, constexpr values
+        and aliasing as ``args``; callers cache it under a key that captures those.
+        """
+        import helion
+
+        bound = self._kernel(int64).bind(args)
+        if interpreter_mode() == "helion":
+            # Eager interpret mode runs the kernel body as PyTorch; configs do not apply.
+            return bound
+        return bound.compile_config(helion.Config(**_fit_config(bound.config_spec, config)))
+
+
+def _fit_config(spec: Any, config: Config) -> Config:
+    """Drop per-loop settings for loops Helion specialised away (a size-1 hidden dim has no
+    reduction loop), so one config fits every specialisation of a key."""
+    fitted = dict(config)
+    for name, value in config.items():
+        expected = getattr(spec, name, None)
+        if isinstance(value, list) and expected is not None and hasattr(expected, "__len__"):
+            fitted[name] = value[: len(expected)]
+    return fitted

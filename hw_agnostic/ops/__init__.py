@@ -1,0 +1,38 @@
+"""Public ops: ``from hw_agnostic.ops import rms_norm``.
+
+Each op is also a ``torch.library`` custom op, ``torch.ops.hw_agnostic.<name>``; see
+:mod:`.registry` for dispatch, forcing a provider and inspecting which one ran.
+"""
+
+from .activations import gelu_and_mul, silu_and_mul, swiglu_oai
+from .registry import (
+    Op,
+    Plan,
+    Provider,
+    ProviderError,
+    all_ops,
+    get_op,
+    reset,
+    trace_dispatch,
+    use_config,
+    use_provider,
+)
+from .rms_norm import fused_add_rms_norm, rms_norm
+
+__all__ = [
+    "Op",
+    "Plan",
+    "Provider",
+    "ProviderError",
+    "all_ops",
+    "fused_add_rms_norm",
+    "gelu_and_mul",
+    "get_op",
+    "reset",
+    "rms_norm",
+    "silu_and_mul",
+    "swiglu_oai",
+    "trace_dispatch",
+    "use_config",
+    "use_provider",
+]

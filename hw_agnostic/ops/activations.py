@@ -1,0 +1,196 @@
+"""Gated activations ``act(gate) * up``: spec, checks and dispatch.
+
+``silu_and_mul`` and ``gelu_and_mul`` take ``x = [..., 2 * I]`` with the gate half first (the
+merged ``gate_up_proj`` output of Llama-style MLPs and of Phi-3); ``swiglu_oai`` is gpt-oss's
+clamped SwiGLU on its interleaved layout (gate at even, up at odd positions) by default. The
+references compute in the input dtype exactly as the Hugging Face modules do, so each
+intermediate the HF module rounds is rounded here too; one Helion kernel implements all three.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..autotune.keys import token_bucket
+from ..kernels import activations as kernels
+from ..kernels.runtime import helion_available
+from . import checks
+from .registry import Op, Provider
+
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+
+# --------------------------------------------------------------------------------------------
+# the spec
+
+
+def silu_and_mul_reference(x: Tensor) -> Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gelu_and_mul_reference(x: Tensor, approximate: str) -> Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate=approximate) * up
+
+
+def swiglu_oai_reference(x: Tensor, alpha: float, limit: float, interleaved: bool) -> Tensor:
+    gate, up = (x[..., ::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    glu = gate * torch.sigmoid(gate * alpha)
+    return (up + 1) * glu
+
+
+# --------------------------------------------------------------------------------------------
+# checks and keys
+
+
+class ActKey(NamedTuple):
+    device: str
+    dtype: torch.dtype
+    inter: int
+    tokens: int
+    activation: str
+    interleaved: bool
+    rows_collapse: bool
+    int64: bool
+
+
+def _check_x(op: str, x: Tensor) -> None:
+    checks.tensor(op, "x", x)
+    if x.shape[-1] % 2 or x.shape[-1] == 0:
+        raise ValueError(f"{op}: x's last dimension must be even and >= 2 (gate and up halves); got shape {tuple(x.shape)}")
+
+
+def check_silu_and_mul(x: Tensor) -> None:
+    _check_x("silu_and_mul", x)
+
+
+def check_gelu_and_mul(x: Tensor, approximate: str) -> None:
+    _check_x("gelu_and_mul", x)
+    checks.choice("gelu_and_mul", "approximate", approximate, GELU_APPROXIMATIONS)
+
+
+def check_swiglu_oai(x: Tensor, alpha: float, limit: float, interleaved: bool) -> None:
+    _check_x("swiglu_oai", x)
+    checks.number("swiglu_oai", "alpha", alpha)
+    checks.number("swiglu_oai", "limit", limit, positive=True)
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"swiglu_oai: interleaved must be a bool, got {type(interleaved).__name__}")
+
+
+def _key(x: Tensor, activation: str, interleaved: bool = False) -> ActKey:
+    width = x.shape[-1]
+    return ActKey(
+        x.device.type, x.dtype, width // 2, token_bucket(x.numel() // width), activation, interleaved,
+        checks.rows_collapse(x), checks.needs_int64(x),
+    )
+
+
+def silu_and_mul_key(x: Tensor) -> ActKey:
+    return _key(x, "silu")
+
+
+def gelu_and_mul_key(x: Tensor, approximate: str) -> ActKey:
+    return _key(x, "gelu_tanh" if approximate == "tanh" else "gelu")
+
+
+def swiglu_oai_key(x: Tensor, alpha: float, limit: float, interleaved: bool) -> ActKey:
+    return _key(x, "swiglu_oai", interleaved)
+
+
+# --------------------------------------------------------------------------------------------
+# the Helion provider
+
+
+def _helion_accepts(key: ActKey) -> str | None:
+    if key.dtype not in checks.KERNEL_DTYPES:
+        return f"dtype {key.dtype} not supported (kernel dtypes: fp32, fp16, bf16)"
+    if not key.rows_collapse:
+        return "the leading dimensions do not collapse into one row stride"
+    return None
+
+
+def _tuning_key(key: ActKey) -> dict[str, object]:
+    return {"activation": key.activation, "dtype": str(key.dtype).removeprefix("torch."), "inter": key.inter}
+
+
+def _halves(rows: Tensor, inter: int, interleaved: bool) -> tuple[Tensor, Tensor]:
+    if interleaved:
+        return rows[:, 0::2], rows[:, 1::2]
+    return rows[:, :inter], rows[:, inter:]
+
+
+def _build(key: ActKey, config: dict, args: tuple) -> object:
+    inter, activation, interleaved = key.inter, key.activation, key.interleaved
+    x, alpha, limit = args[0], 0.0, 0.0
+    if activation == "swiglu_oai":
+        alpha, limit = float(args[1]), float(args[2])
+    gate, up = _halves(x.view(-1, 2 * inter), inter, interleaved)
+    out = torch.empty((gate.shape[0], inter), dtype=x.dtype, device=x.device)
+    launch = kernels.gated_activation_kernel.compile(config, (gate, up, out, alpha, limit, activation), int64=key.int64)
+
+    def run(x: Tensor, *options: object) -> Tensor:
+        out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
+        rows = x.view(-1, 2 * inter)
+        if rows.shape[0]:
+            gate, up = _halves(rows, inter, interleaved)
+            if activation == "swiglu_oai":
+                launch(gate, up, out.view(-1, inter), float(options[0]), float(options[1]), activation)
+            else:
+                launch(gate, up, out.view(-1, inter), 0.0, 0.0, activation)
+        return out
+
+    return run
+
+
+_HELION = Provider(
+    "helion", _build, interpreters=frozenset({"triton", "helion"}), accepts=_helion_accepts,
+    kernel=kernels.GATED_ACTIVATION, tuning_key=_tuning_key, available=helion_available,
+)
+
+
+def _example(tokens: int, inter: int, dtype: torch.dtype, device: str) -> tuple:
+    return (torch.randn(tokens, 2 * inter, dtype=dtype, device=device),)
+
+
+silu_and_mul_op = Op(
+    "silu_and_mul", silu_and_mul_reference, check=check_silu_and_mul, key=silu_and_mul_key,
+    providers=[_HELION], example_inputs=_example,
+)
+gelu_and_mul_op = Op(
+    "gelu_and_mul", gelu_and_mul_reference, check=check_gelu_and_mul, key=gelu_and_mul_key,
+    providers=[_HELION], example_inputs=lambda *a: (*_example(*a), "tanh"),
+)
+swiglu_oai_op = Op(
+    "swiglu_oai", swiglu_oai_reference, check=check_swiglu_oai, key=swiglu_oai_key,
+    providers=[_HELION], example_inputs=lambda *a: (*_example(*a), 1.702, 7.0, True),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """``silu(x[..., :I]) * x[..., I:]`` for ``x = [..., 2 * I]``; result ``[..., I]``."""
+    return silu_and_mul_op(x)
+
+
+def gelu_and_mul(x: Tensor, approximate: str = "none") -> Tensor:
+    """``gelu(x[..., :I], approximate) * x[..., I:]``; ``approximate="tanh"`` is Gemma's GELU."""
+    return gelu_and_mul_op(x, approximate)
+
+
+def swiglu_oai(x: Tensor, alpha: float = 1.702, limit: float = 7.0, *, interleaved: bool = True) -> Tensor:
+    """gpt-oss's clamped SwiGLU: ``(up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = gate.clamp(max=limit)``.
+
+    ``x = [..., 2 * I]`` holds gate and up interleaved (gpt-oss's layout) or, with
+    ``interleaved=False``, as two halves with the gate first.
+    """
+    return swiglu_oai_op(x, alpha, limit, interleaved)

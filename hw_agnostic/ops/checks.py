@@ -1,0 +1,102 @@
+"""Argument checks shared by the ops: each error names the op, the argument and what was expected.
+
+They run on every call, so they only read tensor metadata (no synchronisation, no allocation)
+and also work on fake tensors while ``torch.compile`` traces.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..kernels.runtime import INT32_MAX
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _dtype_names(dtypes: tuple[torch.dtype, ...]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def tensor(op: str, name: str, value: Any, *, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+           min_dim: int = 1) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in dtypes:
+        raise TypeError(f"{op}: {name} must have dtype {_dtype_names(dtypes)}; got {value.dtype}")
+    if value.dim() < min_dim:
+        raise ValueError(f"{op}: {name} must have at least {min_dim} dimension(s); got shape {tuple(value.shape)}")
+    return value
+
+
+def same_device(op: str, name: str, value: torch.Tensor, reference_name: str, reference: torch.Tensor) -> None:
+    if value.device != reference.device:
+        raise ValueError(
+            f"{op}: {name} is on {value.device} but {reference_name} is on {reference.device}; "
+            "all tensors must be on one device"
+        )
+
+
+def same_shape(op: str, name: str, value: torch.Tensor, reference_name: str, reference: torch.Tensor) -> None:
+    if value.shape != reference.shape:
+        raise ValueError(
+            f"{op}: {name} must have the shape of {reference_name} {tuple(reference.shape)}; "
+            f"got {tuple(value.shape)}"
+        )
+
+
+def same_dtype(op: str, name: str, value: torch.Tensor, reference_name: str, reference: torch.Tensor) -> None:
+    if value.dtype != reference.dtype:
+        raise TypeError(f"{op}: {name} must have the dtype of {reference_name} ({reference.dtype}); got {value.dtype}")
+
+
+def number(op: str, name: str, value: Any, *, minimum: float | None = None, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{op}: {name} must be a float, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{op}: {name} must be finite, got {value}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{op}: {name} must be >= {minimum}, got {value}")
+    if positive and value <= 0:
+        raise ValueError(f"{op}: {name} must be > 0, got {value}")
+    return float(value)
+
+
+def choice(op: str, name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{op}: {name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+    return value
+
+
+def rows_collapse(x: torch.Tensor) -> bool:
+    """Whether ``x`` views as ``[rows, x.shape[-1]]`` with one row stride (``x.view(-1, n)``)."""
+    sizes, strides = x.shape, x.stride()
+    for i in range(x.dim() - 2):
+        if sizes[i] != 1 and sizes[i + 1] != 1 and strides[i] != strides[i + 1] * sizes[i + 1]:
+            return False
+    # size-1 dims in the middle make the rule above skip a pair; let view decide those.
+    if 1 in sizes[:-1] and x.dim() > 2:
+        try:
+            x.view(-1, sizes[-1])
+        except RuntimeError:
+            return False
+    return True
+
+
+def needs_int64(*tensors: torch.Tensor | None) -> bool:
+    """Whether an element offset of any tensor can exceed int32 (cheap: sizes and strides)."""
+    for t in tensors:
+        if t is None:
+            continue
+        span = 0
+        for size, stride in zip(t.shape, t.stride()):
+            if size == 0:
+                span = 0
+                break
+            span += (size - 1) * abs(stride)
+        if span > INT32_MAX:
+            return True
+    return False

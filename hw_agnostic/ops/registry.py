@@ -1,0 +1,433 @@
+"""One mechanism for every op: the reference is the spec, providers run it fast.
+
+An :class:`Op` is built from
+
+* ``reference``: a plain-PyTorch function. Its annotated signature becomes the schema of the
+  custom op ``torch.ops.hw_agnostic.<name>``, its result defines correctness, and it is also the
+  fake implementation (run on fake tensors), so ops trace under ``torch.compile``.
+* ``check``: checks the arguments, raising an error that names the bad one. It reads only
+  metadata, so it also runs on fake tensors while ``torch.compile`` traces.
+* ``key``: the call's key for valid arguments, a hashable ``NamedTuple`` with at least
+  ``device`` (device type) and ``tokens`` (the bucketed row count, see
+  :mod:`hw_agnostic.autotune.keys`). Everything a provider's predicate or config depends on
+  must be in the key.
+* ``providers``: tried in order; the first that accepts the key runs the call. A provider
+  declares the device types it compiles for, the CPU interpreters it runs under, a predicate
+  over the key, and the tuned-config kernel it launches. The reference is always appended last
+  and accepts everything.
+
+Dispatch builds a :class:`Plan` once per key (provider choice, config lookup, kernel binding)
+and caches it, so a call costs ``check`` and ``key`` plus one dict lookup plus the launch.
+
+Forcing a provider: ``HW_AGNOSTIC_PROVIDER=helion`` (all ops), ``HW_AGNOSTIC_PROVIDER=
+rms_norm=reference,helion`` (one op, then all others), or :func:`use_provider` in code. A forced
+provider that cannot run a call raises :class:`ProviderError` saying why. Which provider ran and
+why the others were skipped: :meth:`Op.plan`, :func:`trace_dispatch`, and a DEBUG log line on
+the ``hw_agnostic.ops`` logger each time a plan is made.
+
+On the reference path the reference runs under ``torch.compile`` (once per key, dynamic in the
+token count), falling back to eager if compiling fails; ``HW_AGNOSTIC_COMPILE_REFERENCE=0``
+disables compiling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ..autotune import cache as config_cache
+from ..autotune.keys import make_key
+from ..autotune.platform import platform_of
+from ..kernels.interpret import interpreter_mode
+from ..kernels.runtime import KernelSpec
+
+log = logging.getLogger("hw_agnostic.ops")
+
+PROVIDER_ENV = "HW_AGNOSTIC_PROVIDER"
+COMPILE_ENV = "HW_AGNOSTIC_COMPILE_REFERENCE"
+GPU_DEVICES = frozenset({"cuda", "xpu"})
+
+
+class ProviderError(RuntimeError):
+    """A forced provider cannot run the call (the message says why)."""
+
+
+def _accept_all(call: Any) -> str | None:
+    return None
+
+
+def _always_available() -> str | None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Provider:
+    """One implementation of an op.
+
+    ``build(call, config, args)`` returns the function that runs calls with this key: it gets the
+    key, the launch config (``None`` for providers without a tuned kernel) and the first call's
+    arguments (to bind or compile against), and is called once per key.
+    """
+
+    name: str
+    build: Callable[[Any, dict[str, Any] | None, tuple[Any, ...]], Callable[..., Any]]
+    devices: frozenset[str] = GPU_DEVICES
+    interpreters: frozenset[str] = frozenset()
+    accepts: Callable[[Any], str | None] = _accept_all
+    kernel: KernelSpec | None = None
+    tuning_key: Callable[[Any], dict[str, Any]] | None = None
+    available: Callable[[], str | None] = _always_available
+
+    def why_not(self, call: Any) -> str | None:
+        """None when this provider can run a call with this key, else the reason."""
+        if call.device not in self.devices:
+            mode = interpreter_mode() if call.device == "cpu" else None
+            if mode is None or mode not in self.interpreters:
+                supported = ", ".join(sorted(self.devices)) or "none"
+                hint = ""
+                if call.device == "cpu" and self.interpreters:
+                    hint = " (on the CPU it runs under " + " or ".join(
+                        f"{m.upper()}_INTERPRET=1" for m in sorted(self.interpreters)) + ")"
+                return f"device {call.device!r} is not supported (supports {supported}){hint}"
+        reason = self.available()
+        if reason is not None:
+            return reason
+        return self.accepts(call)
+
+
+@dataclasses.dataclass
+class Plan:
+    """What runs for one key: the provider, its config, and why other providers were skipped."""
+
+    op: str
+    key: Any
+    provider: str
+    config: config_cache.ConfigChoice | None
+    skipped: dict[str, str]
+    run: Callable[..., Any]
+    calls: int = 0
+
+    def describe(self) -> str:
+        parts = [f"{self.op}: {self.provider}"]
+        if self.config is not None:
+            parts.append(f"config {self.config.config} from {self.config.describe()}")
+        if self.skipped:
+            parts.append("skipped " + "; ".join(f"{name}: {why}" for name, why in self.skipped.items()))
+        return ", ".join(parts) + f" [{self.key}]"
+
+
+_ops: dict[str, Op] = {}
+_tracers: list[list[Plan]] = []
+_forced_in_code: dict[str | None, str] = {}
+_config_overrides: dict[str, dict[str, Any]] = {}
+
+
+class Op:
+    """A registered op; call it with the reference's positional arguments."""
+
+    def __init__(
+        self,
+        name: str,
+        reference: Callable[..., Any],
+        *,
+        check: Callable[..., None],
+        key: Callable[..., Any],
+        providers: Sequence[Provider] = (),
+        mutates_args: Sequence[str] = (),
+        example_inputs: Callable[..., tuple[Any, ...]] | None = None,
+    ) -> None:
+        if name in _ops:
+            raise ValueError(f"op {name!r} is already registered")
+        self.name = name
+        self.reference = reference
+        self.check = check
+        self.key = key
+        self.mutates_args = tuple(mutates_args)
+        self.example_inputs = example_inputs
+        self.providers: tuple[Provider, ...] = (*providers, _reference_provider(self))
+        self._plans: dict[Any, Plan] = {}
+        self.torch_op = self._register_custom_op()
+        _ops[name] = self
+
+    # -- custom op ------------------------------------------------------------------------------
+
+    def _register_custom_op(self) -> Any:
+        schema = torch.library.infer_schema(self.reference, mutates_args=self.mutates_args)
+        dispatch = self.dispatch
+
+        def implementation(*args: Any) -> Any:
+            return dispatch(*args)
+
+        custom = torch.library.custom_op(
+            f"hw_agnostic::{self.name}", implementation, mutates_args=self.mutates_args, schema=schema
+        )
+        check, reference = self.check, self.reference
+
+        def fake(*args: Any) -> Any:
+            check(*args)
+            return reference(*args)
+
+        custom.register_fake(fake)
+        return getattr(torch.ops.hw_agnostic, self.name).default
+
+    # -- dispatch -------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any) -> Any:
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and _requires_grad(args)):
+            # Traced graphs see the custom op; autograd sees an op without a derivative, which
+            # raises a clear error on backward instead of silently returning no gradient.
+            return self.torch_op(*args)
+        return self.dispatch(*args)
+
+    def dispatch(self, *args: Any) -> Any:
+        """Run the call on the chosen provider (eager, no custom-op dispatcher in between)."""
+        self.check(*args)
+        key = self.key(*args)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._make_plan(key, args)
+        plan.calls += 1
+        if _tracers:
+            for record in _tracers:
+                record.append(plan)
+        return plan.run(*args)
+
+    def plan(self, *args: Any) -> Plan:
+        """The plan a call with these arguments would run, without running it."""
+        self.check(*args)
+        key = self.key(*args)
+        return self._plans.get(key) or self._make_plan(key, args)
+
+    def plans(self) -> list[Plan]:
+        return list(self._plans.values())
+
+    def reset(self) -> None:
+        self._plans.clear()
+
+    def _make_plan(self, key: Any, args: tuple[Any, ...]) -> Plan:
+        forced = forced_provider(self.name)
+        names = [p.name for p in self.providers]
+        if forced is not None and forced[0] not in names:
+            raise ProviderError(
+                f"{self.name}: provider {forced[0]!r} was forced ({forced[1]}) but {self.name} has no such "
+                f"provider (it has {', '.join(names)})"
+            )
+        skipped: dict[str, str] = {}
+        for provider in self.providers:
+            if forced is not None and provider.name != forced[0]:
+                continue
+            reason = provider.why_not(key)
+            if reason is None:
+                built = self._build(provider, key, args, skipped)
+                if built is not None:
+                    run, choice = built
+                    plan = Plan(self.name, key, provider.name, choice, skipped, run)
+                    self._plans[key] = plan
+                    log.debug("%s", plan.describe())
+                    return plan
+            else:
+                skipped[provider.name] = reason
+        if forced is not None:
+            raise ProviderError(
+                f"{self.name}: provider {forced[0]!r} was forced ({forced[1]}) but cannot run this call: "
+                f"{skipped[forced[0]]}"
+            )
+        raise AssertionError(f"{self.name}: the reference provider refused a call: {skipped}")
+
+    def _build(
+        self, provider: Provider, key: Any, args: tuple[Any, ...], skipped: dict[str, str]
+    ) -> tuple[Callable[..., Any], config_cache.ConfigChoice | None] | None:
+        choice = self._config_for(provider, key, args) if provider.kernel is not None else None
+        try:
+            return provider.build(key, None if choice is None else choice.config, args), choice
+        except Exception as err:
+            if choice is None or choice.source in ("default", "override"):
+                if forced_provider(self.name) is not None:
+                    raise
+                log.warning("hw_agnostic: %s: provider %s failed to build (%s); trying the next one",
+                            self.name, provider.name, err)
+                skipped[provider.name] = f"failed to build: {err}"
+                return None
+            log.warning("hw_agnostic: %s: config %s from %s failed to build (%s); using the built-in default",
+                        self.name, choice.config, choice.describe(), err)
+            assert provider.kernel is not None
+            choice = config_cache.ConfigChoice(
+                provider.kernel.default_config(choice.key), "default", "builtin", choice.key
+            )
+            return provider.build(key, choice.config, args), choice
+
+    def _config_for(self, provider: Provider, key: Any, args: tuple[Any, ...]) -> config_cache.ConfigChoice:
+        assert provider.kernel is not None and provider.tuning_key is not None
+        tuning_key = make_key(provider.tuning_key(key), key.tokens)
+        override = _config_overrides.get(_family(self.name))
+        if override is not None:
+            return config_cache.ConfigChoice(dict(override), "override", "exact", tuning_key)
+        platform = platform_of(_first_device(args))
+        return config_cache.lookup(
+            provider.kernel, platform, tuning_key, warn_if_missing=platform != "triton_interpreter"
+        )
+
+
+def _requires_grad(args: tuple[Any, ...]) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+def _first_device(args: tuple[Any, ...]) -> torch.device:
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.device
+    return torch.device("cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# the reference provider
+
+
+def compile_reference_enabled() -> bool:
+    return os.environ.get(COMPILE_ENV, "1").lower() not in ("0", "false", "no", "off")
+
+
+class _CompiledReference:
+    """The reference under ``torch.compile``; eager from the first compile failure on."""
+
+    def __init__(self, op_name: str, reference: Callable[..., Any]) -> None:
+        self.op_name = op_name
+        self.reference = reference
+        self.compiled: Callable[..., Any] | None = torch.compile(reference, dynamic=None, fullgraph=True)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as err:  # no C++ compiler, an Inductor bug, ...
+                self.compiled = None
+                log.warning("hw_agnostic: %s: compiling the reference failed (%s: %s); running it eagerly",
+                            self.op_name, type(err).__name__, err)
+        return self.reference(*args)
+
+
+def _reference_provider(op: Op) -> Provider:
+    compiled: dict[Any, _CompiledReference] = {}
+
+    def build(key: Any, config: dict[str, Any] | None, args: tuple[Any, ...]) -> Callable[..., Any]:
+        if not compile_reference_enabled() or key.device not in ("cpu", "cuda"):
+            return op.reference
+        # One compiled function per key up to the token count, which dynamo keeps dynamic.
+        specialisation = key._replace(tokens=None)
+        if specialisation not in compiled:
+            compiled[specialisation] = _CompiledReference(op.name, op.reference)
+        return compiled[specialisation]
+
+    return Provider("reference", build, devices=frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "meta"}))
+
+
+# --------------------------------------------------------------------------------------------
+# forcing providers and configs, inspecting dispatch
+
+
+def _env_forcing() -> dict[str | None, str]:
+    spec = os.environ.get(PROVIDER_ENV, "").strip()
+    forcing: dict[str | None, str] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        op_name, sep, provider = item.partition("=")
+        if not sep:
+            op_name, provider = None, item
+        elif op_name not in _ops:
+            raise ProviderError(
+                f"{PROVIDER_ENV}={spec!r} names op {op_name!r}, which does not exist (ops: {', '.join(sorted(_ops))})"
+            )
+        forcing[op_name] = provider.strip()
+    return forcing
+
+
+def _family(op_name: str) -> str:
+    """An in-place variant (``fused_add_rms_norm_``) shares forcing and configs with its op."""
+    return op_name.rstrip("_")
+
+
+def forced_provider(op_name: str) -> tuple[str, str] | None:
+    """The provider forced for ``op_name`` and by what, if any (code wins over the environment)."""
+    env = _env_forcing()
+    for table, source in ((_forced_in_code, "use_provider"), (env, PROVIDER_ENV)):
+        for name in (op_name, _family(op_name)):
+            if name in table:
+                return table[name], f"{source} for {name}"
+    for table, source in ((_forced_in_code, "use_provider"), (env, PROVIDER_ENV)):
+        if None in table:
+            return table[None], source
+    return None
+
+
+def reset() -> None:
+    """Drop every cached plan (forcing, configs and environment are re-read on the next call)."""
+    for op in _ops.values():
+        op.reset()
+
+
+config_cache.on_change(reset)
+
+
+def _op_name(op: str | Op | Callable[..., Any]) -> str:
+    if isinstance(op, Op):
+        return op.name
+    name = op if isinstance(op, str) else getattr(op, "__name__", "")
+    if name not in _ops:
+        raise ValueError(f"unknown op {name!r} (ops: {', '.join(sorted(_ops))})")
+    return name
+
+
+@contextlib.contextmanager
+def use_provider(provider: str, *ops: str | Op | Callable[..., Any]) -> Iterator[None]:
+    """Force ``provider`` for ``ops`` (all ops when none are named) inside the block."""
+    targets: list[str | None] = [_op_name(op) for op in ops] or [None]
+    saved = dict(_forced_in_code)
+    _forced_in_code.update({target: provider for target in targets})
+    reset()
+    try:
+        yield
+    finally:
+        _forced_in_code.clear()
+        _forced_in_code.update(saved)
+        reset()
+
+
+@contextlib.contextmanager
+def use_config(op: str | Op | Callable[..., Any], config: dict[str, Any]) -> Iterator[None]:
+    """Launch ``op``'s kernel with ``config`` inside the block, whatever the tuned configs say."""
+    name = _family(_op_name(op))
+    saved = _config_overrides.get(name)
+    _config_overrides[name] = dict(config)
+    reset()
+    try:
+        yield
+    finally:
+        if saved is None:
+            _config_overrides.pop(name, None)
+        else:
+            _config_overrides[name] = saved
+        reset()
+
+
+@contextlib.contextmanager
+def trace_dispatch() -> Iterator[list[Plan]]:
+    """Record the plan of every op call made inside the block, in call order."""
+    record: list[Plan] = []
+    _tracers.append(record)
+    try:
+        yield record
+    finally:
+        _tracers.remove(record)
+
+
+def get_op(name: str | Callable[..., Any]) -> Op:
+    return _ops[_op_name(name)]
+
+
+def all_ops() -> dict[str, Op]:
+    return dict(_ops)

@@ -1,0 +1,337 @@
+"""``rms_norm`` and ``fused_add_rms_norm``: spec, checks and dispatch.
+
+The references below are the specification. They normalise over the last dimension in fp32 (in
+fp64 for fp64 inputs, so the tests can evaluate the spec exactly) and cast where the Hugging
+Face module of each ``mode`` casts:
+
+==============  =======================================================  ======================
+mode            result                                                   HF modules
+==============  =======================================================  ======================
+``llama``       ``weight * normed.to(x.dtype)`` (dtype: promoted)        Llama, Mistral, Qwen,
+                                                                         Phi-3, Granite, ...
+``fp32_scale``  ``(weight * normed).to(x.dtype)``                        OLMo-2, gpt-oss
+``gemma``       ``(normed * (1 + weight.float())).to(x.dtype)``          Gemma 1/2/3
+==============  =======================================================  ======================
+
+``fused_add_rms_norm`` adds the residual in the input dtype first (``residual + x``, as the
+decoder layers do) and normalises that sum. In-place contract of the ``inplace=True`` form
+(the serving-engine form, one pass over memory and no allocation): on return ``x`` holds the
+normalised output and ``residual`` holds ``x + residual``; both are returned. It requires that
+``x`` and ``residual`` do not overlap and that the result dtype equals ``x.dtype``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from ..autotune.keys import token_bucket
+from ..kernels import rms_norm as kernels
+from ..kernels.runtime import helion_available
+from . import checks
+from .registry import Op, Provider
+
+MODES = kernels.MODES
+MAX_KERNEL_HIDDEN = 65536
+
+
+# --------------------------------------------------------------------------------------------
+# the spec
+
+
+def _normalise(x: Tensor, weight: Optional[Tensor], eps: float, mode: str) -> Tensor:
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(compute)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:
+        return normed.to(x.dtype)
+    if mode == "llama":
+        return weight * normed.to(x.dtype)
+    if mode == "fp32_scale":
+        return (weight.to(compute) * normed).to(x.dtype)
+    return (normed * (1.0 + weight.to(compute))).to(x.dtype)
+
+
+def rms_norm_reference(x: Tensor, weight: Optional[Tensor], eps: float, mode: str) -> Tensor:
+    return _normalise(x, weight, eps, mode)
+
+
+def fused_add_rms_norm_reference(
+    x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, mode: str
+) -> tuple[Tensor, Tensor]:
+    summed = residual + x
+    return _normalise(summed, weight, eps, mode), summed
+
+
+def fused_add_rms_norm_inplace_reference(
+    x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, mode: str
+) -> None:
+    normed, summed = fused_add_rms_norm_reference(x, residual, weight, eps, mode)
+    residual.copy_(summed)
+    x.copy_(normed)
+
+
+# --------------------------------------------------------------------------------------------
+# checks and keys
+
+
+class NormKey(NamedTuple):
+    device: str
+    dtype: torch.dtype
+    weight_dtype: Optional[torch.dtype]
+    out_dtype: torch.dtype
+    hidden: int
+    tokens: int
+    mode: str
+    rows_collapse: bool
+    int64: bool
+
+
+def _check_norm_args(op: str, x: Tensor, weight: Optional[Tensor], eps: float, mode: str) -> None:
+    checks.tensor(op, "x", x)
+    if x.shape[-1] == 0:
+        raise ValueError(f"{op}: x's last dimension (the normalised one) must be >= 1; got shape {tuple(x.shape)}")
+    if weight is not None:
+        checks.tensor(op, "weight", weight)
+        checks.same_device(op, "weight", weight, "x", x)
+        if weight.shape != (x.shape[-1],):
+            raise ValueError(
+                f"{op}: weight must have shape ({x.shape[-1]},) to match x's last dimension; got {tuple(weight.shape)}"
+            )
+    checks.number(op, "eps", eps, minimum=0.0)
+    checks.choice(op, "mode", mode, MODES)
+
+
+def _out_dtype(x: Tensor, weight: Optional[Tensor], mode: str) -> torch.dtype:
+    if weight is not None and mode == "llama":
+        return torch.promote_types(x.dtype, weight.dtype)
+    return x.dtype
+
+
+def _check_residual(op: str, x: Tensor, residual: Tensor) -> None:
+    checks.tensor(op, "residual", residual)
+    checks.same_device(op, "residual", residual, "x", x)
+    checks.same_shape(op, "residual", residual, "x", x)
+    checks.same_dtype(op, "residual", residual, "x", x)
+
+
+def check_rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, mode: str) -> None:
+    _check_norm_args("rms_norm", x, weight, eps, mode)
+
+
+def check_fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, mode: str) -> None:
+    _check_norm_args("fused_add_rms_norm", x, weight, eps, mode)
+    _check_residual("fused_add_rms_norm", x, residual)
+
+
+def check_fused_add_rms_norm_inplace(
+    x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, mode: str
+) -> None:
+    op = "fused_add_rms_norm(inplace=True)"
+    _check_norm_args(op, x, weight, eps, mode)
+    _check_residual(op, x, residual)
+    out_dtype = _out_dtype(x, weight, mode)
+    if out_dtype != x.dtype:
+        raise TypeError(
+            f"{op}: the result dtype {out_dtype} (x {x.dtype} times weight "
+            f"{weight.dtype if weight is not None else None} in mode {mode!r}) differs from x's, "
+            "so it cannot be written into x; pass inplace=False"
+        )
+    if _overlap(x, residual):
+        raise ValueError(f"{op}: x and residual share memory; the in-place form needs two separate buffers")
+
+
+def rms_norm_key(x: Tensor, weight: Optional[Tensor], eps: float, mode: str) -> NormKey:
+    return _key(x, weight, mode)
+
+
+def fused_add_rms_norm_key(
+    x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, mode: str
+) -> NormKey:
+    return _key(x, weight, mode, residual)
+
+
+def _key(x: Tensor, weight: Optional[Tensor], mode: str, *more: Tensor) -> NormKey:
+    hidden = x.shape[-1]
+    return NormKey(
+        x.device.type, x.dtype, None if weight is None else weight.dtype, _out_dtype(x, weight, mode), hidden,
+        token_bucket(x.numel() // hidden), mode,
+        checks.rows_collapse(x) and all(checks.rows_collapse(t) for t in more),
+        checks.needs_int64(x, *more),
+    )
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    try:
+        if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+            return False
+    except RuntimeError:  # fake tensors while tracing have no storage to compare
+        return False
+    size = a.element_size()
+
+    def extent(t: Tensor) -> tuple[int, int]:
+        start = t.storage_offset()
+        span = sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+        return start * size, (start + span + 1) * size
+
+    (a0, a1), (b0, b1) = extent(a), extent(b)
+    return a0 < b1 and b0 < a1
+
+
+# --------------------------------------------------------------------------------------------
+# the Helion provider
+
+
+def _helion_accepts(key: NormKey) -> str | None:
+    if key.dtype not in checks.KERNEL_DTYPES or key.weight_dtype not in (None, *checks.KERNEL_DTYPES):
+        return f"dtype {key.dtype} / weight {key.weight_dtype} not supported (kernel dtypes: fp32, fp16, bf16)"
+    if key.hidden > MAX_KERNEL_HIDDEN:
+        return f"hidden size {key.hidden} exceeds the kernel's {MAX_KERNEL_HIDDEN}"
+    if not key.rows_collapse:
+        return "the leading dimensions do not collapse into one row stride"
+    return None
+
+
+def _tuning_key(key: NormKey) -> dict[str, object]:
+    return {"dtype": str(key.dtype).removeprefix("torch."), "hidden": key.hidden}
+
+
+def _build_rms_norm(key: NormKey, config: dict, args: tuple) -> object:
+    x, weight, eps, mode = args
+    hidden, has_weight = key.hidden, weight is not None
+    rows = x.view(-1, hidden)
+    out = torch.empty(rows.shape, dtype=key.out_dtype, device=x.device)
+    launch = kernels.rms_norm_kernel.compile(
+        config, (rows, weight if has_weight else rows, out, eps, mode, has_weight), int64=key.int64
+    )
+
+    def run(x: Tensor, weight: Optional[Tensor], eps: float, mode: str) -> Tensor:
+        out = torch.empty(x.shape, dtype=key.out_dtype, device=x.device)
+        rows = x.view(-1, hidden)
+        if rows.shape[0]:
+            launch(rows, weight if has_weight else rows, out.view(-1, hidden), eps, mode, has_weight)
+        return out
+
+    return run
+
+
+def _build_fused(key: NormKey, config: dict, args: tuple, *, inplace: bool) -> object:
+    x, residual, weight, eps, mode = args
+    hidden, has_weight = key.hidden, weight is not None
+    variant, helion_config = kernels.split_variant(config)
+    kernel = {
+        "row": kernels.fused_add_rms_norm_row_kernel,
+        "chunked": kernels.fused_add_rms_norm_chunked_kernel,
+    }[variant]
+    rows, residual_rows = x.view(-1, hidden), residual.view(-1, hidden)
+    if inplace:
+        out, residual_out = rows, residual_rows
+    else:
+        out = torch.empty(rows.shape, dtype=key.out_dtype, device=x.device)
+        residual_out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    launch = kernel.compile(
+        helion_config,
+        (rows, residual_rows, weight if has_weight else rows, out, residual_out, eps, mode, has_weight),
+        int64=key.int64,
+    )
+
+    def run_inplace(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, mode: str) -> None:
+        rows, residual_rows = x.view(-1, hidden), residual.view(-1, hidden)
+        if rows.shape[0]:
+            launch(rows, residual_rows, weight if has_weight else rows, rows, residual_rows, eps, mode, has_weight)
+
+    def run(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, mode: str) -> tuple[Tensor, Tensor]:
+        out = torch.empty(x.shape, dtype=key.out_dtype, device=x.device)
+        summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        rows = x.view(-1, hidden)
+        if rows.shape[0]:
+            launch(rows, residual.view(-1, hidden), weight if has_weight else rows,
+                   out.view(-1, hidden), summed.view(-1, hidden), eps, mode, has_weight)
+        return out, summed
+
+    return run_inplace if inplace else run
+
+
+def _helion(build: object, spec: object) -> Provider:
+    return Provider(
+        "helion", build, interpreters=frozenset({"triton", "helion"}), accepts=_helion_accepts,
+        kernel=spec, tuning_key=_tuning_key, available=helion_available,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# example inputs (tuner, benchmarks)
+
+
+def _example_rms_norm(tokens: int, hidden: int, dtype: torch.dtype, device: str) -> tuple:
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    weight = 1.0 + 0.1 * torch.randn(hidden, dtype=dtype, device=device)
+    return x, weight, 1e-6, "llama"
+
+
+def _example_fused(tokens: int, hidden: int, dtype: torch.dtype, device: str) -> tuple:
+    x, weight, eps, mode = _example_rms_norm(tokens, hidden, dtype, device)
+    return x, torch.randn_like(x), weight, eps, mode
+
+
+rms_norm_op = Op(
+    "rms_norm", rms_norm_reference, check=check_rms_norm, key=rms_norm_key,
+    providers=[_helion(_build_rms_norm, kernels.RMS_NORM)], example_inputs=_example_rms_norm,
+)
+fused_add_rms_norm_op = Op(
+    "fused_add_rms_norm", fused_add_rms_norm_reference, check=check_fused_add_rms_norm, key=fused_add_rms_norm_key,
+    providers=[_helion(lambda k, c, a: _build_fused(k, c, a, inplace=False), kernels.FUSED_ADD_RMS_NORM)],
+    example_inputs=_example_fused,
+)
+fused_add_rms_norm_inplace_op = Op(
+    "fused_add_rms_norm_", fused_add_rms_norm_inplace_reference, check=check_fused_add_rms_norm_inplace,
+    key=fused_add_rms_norm_key,
+    providers=[_helion(lambda k, c, a: _build_fused(k, c, a, inplace=True), kernels.FUSED_ADD_RMS_NORM)],
+    mutates_args=("x", "residual"), example_inputs=_example_fused,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+
+
+def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *, mode: str = "llama") -> Tensor:
+    """RMS-normalise ``x`` over its last dimension, as the Hugging Face RMSNorm of ``mode`` does.
+
+    Args:
+        x: ``[..., hidden]``, fp32/fp16/bf16 (fp64 runs on the reference). Rows may be strided,
+            e.g. ``buf[..., :hidden]`` of a wider buffer.
+        weight: ``[hidden]`` or None (no scale).
+        eps: added to the mean square before the reciprocal square root.
+        mode: ``"llama"`` (default), ``"fp32_scale"`` (OLMo-2, gpt-oss) or ``"gemma"`` (``1 + w``).
+
+    Returns:
+        A new tensor shaped like ``x``; dtype ``x.dtype``, or in ``llama`` mode the promotion
+        of ``x.dtype`` and ``weight.dtype`` (HF multiplies after casting).
+    """
+    return rms_norm_op(x, weight, eps, mode)
+
+
+def fused_add_rms_norm(
+    x: Tensor,
+    residual: Tensor,
+    weight: Optional[Tensor] = None,
+    eps: float = 1e-6,
+    *,
+    mode: str = "llama",
+    inplace: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """``s = residual + x; return rms_norm(s, weight, eps, mode=mode), s`` in one pass over memory.
+
+    With ``inplace=True`` the results are written into the arguments (``x`` receives the normed
+    output and ``residual`` the sum) and those two tensors are returned; ``x`` and ``residual``
+    must not overlap, and in ``llama`` mode the weight must not promote the dtype.
+    """
+    if inplace:
+        fused_add_rms_norm_inplace_op(x, residual, weight, eps, mode)
+        return x, residual
+    return fused_add_rms_norm_op(x, residual, weight, eps, mode)

@@ -1,0 +1,59 @@
+"""Test-suite settings.
+
+* The reference runs eagerly unless a test opts in (compiling costs tens of seconds per graph
+  on the CPU); ``tests/test_compile.py`` covers the compiled path.
+* Tuned configs are read from and written to a per-session temporary directory, never the
+  developer's own cache.
+* ``dsl`` tests need something that runs kernels: a GPU, or one of the CPU interpreters.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+os.environ.setdefault("HW_AGNOSTIC_COMPILE_REFERENCE", "0")
+os.environ["HW_AGNOSTIC_CACHE_DIR"] = tempfile.mkdtemp(prefix="hw_agnostic_test_cache_")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from hw_agnostic.kernels.interpret import interpreter_mode  # noqa: E402
+
+
+def kernel_device() -> str | None:
+    """Where DSL kernels run in this process: ``"cuda"``, ``"cpu"`` (an interpreter) or None."""
+    if interpreter_mode() is not None:
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    no_kernels = pytest.mark.skip(reason="no GPU and no CPU interpreter (TRITON_INTERPRET=1 / HELION_INTERPRET=1)")
+    no_gpu = pytest.mark.skip(reason="needs a GPU")
+    for item in items:
+        if "dsl" in item.keywords and kernel_device() is None:
+            item.add_marker(no_kernels)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+
+
+@pytest.fixture
+def device() -> str:
+    """The device kernels run on in this process (tests marked ``dsl`` only)."""
+    found = kernel_device()
+    if found is None:
+        pytest.skip("no device runs kernels here")
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Each test starts without cached dispatch plans."""
+    from hw_agnostic import ops
+
+    ops.reset()
+    yield
+    ops.reset()

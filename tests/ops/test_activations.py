@@ -1,0 +1,169 @@
+"""silu_and_mul, gelu_and_mul, swiglu_oai: DSL vs reference, HF parity, bad inputs."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers.activations import ACT2FN
+
+from hw_agnostic import ops
+from hw_agnostic.ops.activations import gelu_and_mul_op, silu_and_mul_op, swiglu_oai_op
+from hw_agnostic.tolerances import assert_close
+from tests.harness import Case, check_provider, dsl_providers
+from tests.ops.test_rms_norm import rows
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SMALL_CONFIG = {"block_sizes": [2, 16], "num_warps": 4, "num_stages": 1}
+OPS = {"silu": silu_and_mul_op, "gelu": gelu_and_mul_op, "gelu_tanh": gelu_and_mul_op, "swiglu_oai": swiglu_oai_op}
+
+
+def act_case(activation, lead, inter, dtype, *, layout="contiguous", config=None, interleaved=True, scale=3.0):
+    name = (f"{activation}-{'x'.join(map(str, lead))}x{inter}-{str(dtype).removeprefix('torch.')}-{layout}"
+            + ("" if interleaved else "-split") + ("-small" if config else ""))
+
+    def make():
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        # Wide enough a range that swiglu_oai's clamps at +-7 are hit.
+        x = rows(lead, 2 * inter, torch.float32, layout, g).mul_(scale).to(dtype)
+        if activation == "silu":
+            return (x,)
+        if activation in ("gelu", "gelu_tanh"):
+            return (x, "tanh" if activation == "gelu_tanh" else "none")
+        return (x, 1.702, 7.0, interleaved)
+
+    return Case(name, make, config)
+
+
+def _cases(activation: str) -> list[Case]:
+    cases = []
+    for dtype in DTYPES:
+        cases.append(act_case(activation, (7,), 37, dtype))
+        cases.append(act_case(activation, (5,), 45, dtype, config=SMALL_CONFIG))
+    cases += [
+        act_case(activation, (1,), 1, torch.float32),
+        act_case(activation, (2, 3), 64, torch.bfloat16),
+        act_case(activation, (0,), 64, torch.bfloat16),
+        act_case(activation, (3,), 1000, torch.float16, layout="padded"),
+        act_case(activation, (2,), 5000, torch.bfloat16),
+        act_case(activation, (3, 2), 24, torch.float32, layout="permuted"),
+    ]
+    if activation == "swiglu_oai":
+        cases.append(act_case(activation, (4,), 33, torch.bfloat16, interleaved=False))
+    return cases
+
+
+CASES = [(activation, case) for activation in OPS for case in _cases(activation)]
+
+
+@pytest.mark.dsl
+@pytest.mark.parametrize("provider", dsl_providers(silu_and_mul_op))
+@pytest.mark.parametrize("activation, case", CASES, ids=[c.id for _, c in CASES])
+def test_gated_activation_dsl(activation, case, provider, device):
+    check_provider(OPS[activation], provider, case, device)
+
+
+@pytest.mark.dsl
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    activation=st.sampled_from(sorted(OPS)),
+    lead=st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple),
+    inter=st.integers(1, 200),
+    dtype=st.sampled_from(DTYPES),
+    layout=st.sampled_from(["contiguous", "padded", "inner_stride"]),
+)
+def test_fuzz_shapes_and_strides(activation, lead, inter, dtype, layout):
+    from tests.conftest import kernel_device
+
+    case = act_case(activation, lead, inter, dtype, layout=layout)
+    for provider in dsl_providers(OPS[activation]):
+        check_provider(OPS[activation], provider, case, kernel_device())
+
+
+# --------------------------------------------------------------------------------------------
+# parity with what the Hugging Face modules compute
+
+
+def _providers_here() -> list:
+    from tests.conftest import kernel_device
+
+    dsl = dsl_providers(silu_and_mul_op) if kernel_device() else []
+    return ["reference", *[pytest.param(p, marks=pytest.mark.dsl) for p in dsl]]
+
+
+def _hf_gpt_oss_gate(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GptOssExperts._apply_gate, called on a module-free stand-in."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    holder = type("Holder", (), {"alpha": alpha, "limit": limit})()
+    return GptOssExperts._apply_gate(holder, gate_up)
+
+
+@pytest.mark.parametrize("provider", _providers_here())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", sorted(OPS))
+def test_matches_hf(activation, dtype, provider):
+    from tests.conftest import kernel_device
+
+    device = "cpu" if provider == "reference" else kernel_device()
+    g = torch.Generator().manual_seed(zlib.crc32(f"{activation}{dtype}".encode()))
+    x = (torch.randn(4, 3, 2 * 40, generator=g) * 4).to(device=device, dtype=dtype)
+    gate, up = x.chunk(2, dim=-1)
+    with ops.use_provider(provider):
+        if activation == "silu":
+            want, got = ACT2FN["silu"](gate) * up, ops.silu_and_mul(x)
+        elif activation == "gelu":
+            want, got = ACT2FN["gelu"](gate) * up, ops.gelu_and_mul(x)
+        elif activation == "gelu_tanh":
+            want, got = ACT2FN["gelu_pytorch_tanh"](gate) * up, ops.gelu_and_mul(x, approximate="tanh")
+        else:
+            want, got = _hf_gpt_oss_gate(x, 1.702, 7.0), ops.swiglu_oai(x, 1.702, 7.0)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        relative = ((got - want).norm() / want.norm()).item()
+        assert relative <= 1e-6, relative
+    else:
+        assert_close(got, want.double(), dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# bad inputs
+
+BAD_INPUTS = [
+    ("x must be a torch.Tensor", lambda: ops.silu_and_mul((1.0, 2.0))),
+    ("x must have dtype", lambda: ops.silu_and_mul(torch.ones(2, 4, dtype=torch.int64))),
+    ("x's last dimension must be even", lambda: ops.silu_and_mul(torch.ones(2, 5))),
+    ("x's last dimension must be even", lambda: ops.gelu_and_mul(torch.ones(2, 0))),
+    ("x must have at least 1 dimension", lambda: ops.silu_and_mul(torch.tensor(2.0))),
+    ("approximate must be one of", lambda: ops.gelu_and_mul(torch.ones(2, 4), approximate="erf")),
+    ("limit must be > 0", lambda: ops.swiglu_oai(torch.ones(2, 4), 1.702, 0.0)),
+    ("alpha must be a float", lambda: ops.swiglu_oai(torch.ones(2, 4), None)),
+    ("alpha must be finite", lambda: ops.swiglu_oai(torch.ones(2, 4), float("inf"))),
+    ("interleaved must be a bool", lambda: ops.swiglu_oai(torch.ones(2, 4), interleaved=1)),
+]
+
+
+@pytest.mark.parametrize("message, call", BAD_INPUTS, ids=[m for m, _ in BAD_INPUTS])
+def test_bad_inputs_name_the_argument(message, call):
+    import re
+
+    with pytest.raises((TypeError, ValueError), match=re.escape(message)):
+        call()
+
+
+def test_zero_rows_give_an_empty_result():
+    out = ops.silu_and_mul(torch.empty(0, 3, 8))
+    assert out.shape == (0, 3, 4)
+
+
+@pytest.mark.parametrize("activation, dtype", list(itertools.product(sorted(OPS), DTYPES)))
+def test_reference_keeps_dtype_and_shape(activation, dtype):
+    x = torch.randn(2, 3, 16).to(dtype)
+    fn = {"silu": ops.silu_and_mul, "gelu": ops.gelu_and_mul,
+          "gelu_tanh": lambda t: ops.gelu_and_mul(t, "tanh"), "swiglu_oai": ops.swiglu_oai}[activation]
+    out = fn(x)
+    assert out.shape == (2, 3, 8) and out.dtype == dtype

@@ -1,0 +1,300 @@
+"""rms_norm and fused_add_rms_norm: DSL vs reference, HF parity, in-place contract, bad inputs."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+from hw_agnostic import ops
+from hw_agnostic.ops.rms_norm import fused_add_rms_norm_inplace_op, fused_add_rms_norm_op, rms_norm_op
+from hw_agnostic.tolerances import assert_close
+from tests.harness import Case, check_provider, dsl_providers
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MODES = ("llama", "fp32_scale", "gemma")
+SMALL_ROW_CONFIG = {"block_sizes": [2], "reduction_loops": [16], "num_warps": 4, "num_stages": 1}
+SMALL_FUSED_CONFIGS = (
+    {"variant": "row", "block_sizes": [2], "num_warps": 4, "num_stages": 1},
+    {"variant": "chunked", "block_sizes": [2, 16], "num_warps": 4, "num_stages": 1},
+)
+
+
+def _generator(name: str) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(name.encode()))
+
+
+def rows(lead: tuple[int, ...], hidden: int, dtype: torch.dtype, layout: str, g: torch.Generator) -> torch.Tensor:
+    """A ``[*lead, hidden]`` input laid out as a real caller might hand it over."""
+    if layout == "contiguous":
+        return torch.randn(*lead, hidden, generator=g).to(dtype)
+    if layout == "padded":  # rows of a wider buffer: buf[..., :hidden]
+        return torch.randn(*lead, hidden + 13, generator=g).to(dtype)[..., :hidden]
+    if layout == "inner_stride":
+        return torch.randn(*lead, 2 * hidden, generator=g).to(dtype)[..., ::2]
+    if layout == "permuted":  # leading dims that do not collapse into one row stride
+        return torch.randn(lead[1], lead[0], hidden, generator=g).to(dtype).transpose(0, 1)
+    raise ValueError(layout)
+
+
+def _weight(hidden: int, dtype: torch.dtype | None, mode: str, g: torch.Generator) -> torch.Tensor | None:
+    if dtype is None:
+        return None
+    scale = 0.3 if mode == "gemma" else 1.0
+    return (scale * torch.randn(hidden, generator=g)).to(dtype)
+
+
+def norm_case(lead, hidden, dtype, *, mode="llama", weight_dtype="same", layout="contiguous", config=None, fused=False):
+    weight_dtype = dtype if weight_dtype == "same" else weight_dtype
+    wname = "none" if weight_dtype is None else str(weight_dtype).removeprefix("torch.")
+    name = (f"{'x'.join(map(str, lead))}x{hidden}-{str(dtype).removeprefix('torch.')}-{mode}-w{wname}-{layout}"
+            + ("-small" if config else "") + (f"-{config['variant']}" if config and "variant" in config else ""))
+
+    def make():
+        g = _generator(name)
+        x = rows(lead, hidden, dtype, layout, g)
+        w = _weight(hidden, weight_dtype, mode, g)
+        if fused:
+            residual = rows(lead, hidden, dtype, "contiguous", g)
+            return x, residual, w, 1e-6, mode
+        return x, w, 1e-6, mode
+
+    return Case(name, make, config)
+
+
+def _cases(fused: bool) -> list[Case]:
+    small_configs = SMALL_FUSED_CONFIGS if fused else (SMALL_ROW_CONFIG,)
+    cases = []
+    # Every dtype x mode on an odd shape, once with default and once with small blocks (masks).
+    for dtype, mode in itertools.product(DTYPES, MODES):
+        cases.append(norm_case((7,), 37, dtype, mode=mode, fused=fused))
+        for config in small_configs:
+            cases.append(norm_case((5,), 45, dtype, mode=mode, config=config, fused=fused))
+    cases += [
+        norm_case((1,), 1, torch.float32, fused=fused),
+        norm_case((3,), 128, torch.bfloat16, weight_dtype=None, fused=fused),
+        norm_case((3,), 96, torch.bfloat16, mode="gemma", weight_dtype=None, fused=fused),
+        norm_case((2, 3), 48, torch.float16, fused=fused),
+        norm_case((4,), 1000, torch.bfloat16, layout="padded", fused=fused),
+        norm_case((2, 3), 77, torch.float32, layout="padded", fused=fused),
+        norm_case((3,), 40, torch.bfloat16, layout="inner_stride", fused=fused),
+        norm_case((0,), 64, torch.bfloat16, fused=fused),
+        norm_case((1,), 4097, torch.bfloat16, fused=fused),
+        norm_case((2,), 65536, torch.bfloat16, fused=fused),
+        norm_case((2,), 20000, torch.float32, mode="fp32_scale", fused=fused),
+        norm_case((3, 2), 24, torch.float32, layout="permuted", fused=fused),
+    ]
+    if not fused:  # a fp32 weight promotes the llama-mode result to fp32
+        cases.append(norm_case((3,), 64, torch.bfloat16, weight_dtype=torch.float32))
+    return cases
+
+
+RMS_CASES = _cases(fused=False)
+FUSED_CASES = _cases(fused=True)
+
+
+# --------------------------------------------------------------------------------------------
+# DSL providers vs the reference
+
+
+@pytest.mark.dsl
+@pytest.mark.parametrize("provider", dsl_providers(rms_norm_op))
+@pytest.mark.parametrize("case", RMS_CASES, ids=repr)
+def test_rms_norm_dsl(provider, case, device):
+    check_provider(rms_norm_op, provider, case, device)
+
+
+@pytest.mark.dsl
+@pytest.mark.parametrize("provider", dsl_providers(fused_add_rms_norm_op))
+@pytest.mark.parametrize("case", FUSED_CASES, ids=repr)
+def test_fused_add_rms_norm_dsl(provider, case, device):
+    check_provider(fused_add_rms_norm_op, provider, case, device)
+
+
+@pytest.mark.dsl
+@pytest.mark.parametrize("provider", dsl_providers(fused_add_rms_norm_inplace_op))
+@pytest.mark.parametrize("case", [c for c in FUSED_CASES if "permuted" not in c.id], ids=repr)
+def test_fused_add_rms_norm_inplace_dsl(provider, case, device):
+    check_provider(fused_add_rms_norm_inplace_op, provider, case, device)
+
+
+@pytest.mark.dsl
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    lead=st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple),
+    hidden=st.integers(1, 300),
+    dtype=st.sampled_from(DTYPES),
+    mode=st.sampled_from(MODES),
+    layout=st.sampled_from(["contiguous", "padded", "inner_stride"]),
+    fused=st.booleans(),
+)
+def test_fuzz_shapes_and_strides(lead, hidden, dtype, mode, layout, fused):
+    from tests.conftest import kernel_device
+
+    op = fused_add_rms_norm_op if fused else rms_norm_op
+    case = norm_case(lead, hidden, dtype, mode=mode, layout=layout, fused=fused)
+    for provider in dsl_providers(op):
+        check_provider(op, provider, case, kernel_device())
+
+
+@pytest.mark.dsl
+def test_int64_offsets(device):
+    """A strided view whose element offsets pass 2**31 (with a tiny numel) is addressed right."""
+    hidden, row_stride = 64, 2**31 + 64
+    storage = torch.empty(row_stride + hidden, dtype=torch.bfloat16, device=device)  # untouched pages cost nothing
+    x = storage.as_strided((2, hidden), (row_stride, 1))
+    g = _generator("int64")
+    x.copy_(torch.randn(2, hidden, generator=g).to(torch.bfloat16))
+    weight = torch.randn(hidden, generator=g).to(torch.bfloat16).to(device)
+    assert rms_norm_op.key(x, weight, 1e-6, "llama").int64
+    expected = rms_norm_op.reference(x.double(), weight.double(), 1e-6, "llama")
+    for provider in dsl_providers(rms_norm_op):
+        with ops.use_provider(provider, ops.rms_norm):
+            assert_close(ops.rms_norm(x, weight), expected, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------
+# parity with the Hugging Face modules (reference here; DSL providers in the interpreter tiers)
+
+
+def _providers_here() -> list:
+    from tests.conftest import kernel_device
+
+    dsl = dsl_providers(rms_norm_op) if kernel_device() else []
+    return ["reference", *[pytest.param(p, marks=pytest.mark.dsl) for p in dsl]]
+
+
+HF_MODULES = {"llama": LlamaRMSNorm, "fp32_scale": Olmo2RMSNorm, "gemma": GemmaRMSNorm}
+
+
+@pytest.mark.parametrize("provider", _providers_here())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", MODES)
+def test_matches_hf_module(mode, dtype, provider):
+    from tests.conftest import kernel_device
+
+    device = "cpu" if provider == "reference" else kernel_device()
+    g = _generator(f"hf-{mode}-{dtype}")
+    hidden = 96
+    module = HF_MODULES[mode](hidden, eps=1e-5)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(hidden, generator=g) * (0.3 if mode == "gemma" else 1.0))
+    module = module.to(device=device, dtype=dtype)
+    x = (torch.randn(3, 5, hidden, generator=g) * 4).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        want = module(x)
+    with ops.use_provider(provider, ops.rms_norm):
+        got = ops.rms_norm(x, module.weight, 1e-5, mode=mode)
+    assert got.dtype == want.dtype
+    if dtype == torch.float32:
+        relative = ((got - want).norm() / want.norm()).item()
+        assert relative <= 1e-6, relative
+    else:
+        assert_close(got, want.double(), dtype)
+
+
+@pytest.mark.parametrize("provider", _providers_here())
+def test_fused_matches_hf_decoder_pattern(provider):
+    """``residual + hidden`` in the model dtype, then the norm: what HF decoder layers do."""
+    from tests.conftest import kernel_device
+
+    device = "cpu" if provider == "reference" else kernel_device()
+    g = _generator("hf-fused")
+    module = LlamaRMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(64, generator=g))
+    for dtype in DTYPES:
+        norm = module.to(device=device, dtype=dtype)
+        hidden = torch.randn(6, 64, generator=g).to(device=device, dtype=dtype)
+        residual = torch.randn(6, 64, generator=g).to(device=device, dtype=dtype)
+        with torch.no_grad():
+            summed = residual + hidden
+            want = norm(summed)
+        with ops.use_provider(provider, ops.fused_add_rms_norm):
+            got, got_sum = ops.fused_add_rms_norm(hidden, residual, norm.weight, 1e-6)
+        assert torch.equal(got_sum, summed)
+        assert_close(got, want.double(), dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# contracts and bad inputs (reference path: runs everywhere)
+
+
+def test_inplace_contract_returns_and_fills_the_arguments():
+    g = _generator("inplace")
+    x, residual = torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)
+    weight = torch.randn(32, generator=g)
+    want_normed, want_sum = ops.fused_add_rms_norm(x, residual, weight)
+    x_before = x.clone()
+    got_x, got_residual = ops.fused_add_rms_norm(x, residual, weight, inplace=True)
+    assert got_x is x and got_residual is residual
+    assert torch.equal(x, want_normed) and torch.equal(residual, want_sum)
+    assert not torch.equal(x, x_before)
+
+
+def test_functional_form_leaves_arguments_alone():
+    g = _generator("functional")
+    x, residual = torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)
+    x_before, residual_before = x.clone(), residual.clone()
+    ops.fused_add_rms_norm(x, residual, torch.ones(32))
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+def test_zero_rows_give_an_empty_result():
+    out = ops.rms_norm(torch.empty(0, 64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16))
+    assert out.shape == (0, 64) and out.dtype == torch.bfloat16
+
+
+BAD_INPUTS = [
+    ("x must be a torch.Tensor", lambda: ops.rms_norm([1.0, 2.0])),
+    ("x must have dtype", lambda: ops.rms_norm(torch.ones(2, 4, dtype=torch.int32))),
+    ("x must have at least 1 dimension", lambda: ops.rms_norm(torch.tensor(1.0))),
+    ("last dimension (the normalised one) must be >= 1", lambda: ops.rms_norm(torch.ones(3, 0))),
+    ("weight must have shape (4,)", lambda: ops.rms_norm(torch.ones(2, 4), torch.ones(5))),
+    ("weight must have shape (4,)", lambda: ops.rms_norm(torch.ones(2, 4), torch.ones(1, 4))),
+    ("weight must have dtype", lambda: ops.rms_norm(torch.ones(2, 4), torch.ones(4, dtype=torch.int64))),
+    ("weight is on meta but x is on cpu", lambda: ops.rms_norm(torch.ones(2, 4), torch.ones(4, device="meta"))),
+    ("eps must be >= 0.0", lambda: ops.rms_norm(torch.ones(2, 4), None, -1e-6)),
+    ("eps must be a float", lambda: ops.rms_norm(torch.ones(2, 4), None, "1e-6")),
+    ("eps must be finite", lambda: ops.rms_norm(torch.ones(2, 4), None, float("nan"))),
+    ("mode must be one of", lambda: ops.rms_norm(torch.ones(2, 4), mode="olmo")),
+    ("residual must have the shape of x", lambda: ops.fused_add_rms_norm(torch.ones(2, 4), torch.ones(3, 4))),
+    ("residual must have the dtype of x",
+     lambda: ops.fused_add_rms_norm(torch.ones(2, 4), torch.ones(2, 4, dtype=torch.float16))),
+    ("residual is on meta", lambda: ops.fused_add_rms_norm(torch.ones(2, 4), torch.ones(2, 4, device="meta"))),
+    ("residual must be a torch.Tensor", lambda: ops.fused_add_rms_norm(torch.ones(2, 4), None)),
+    ("x and residual share memory",
+     lambda: (lambda t: ops.fused_add_rms_norm(t, t, inplace=True))(torch.ones(2, 4))),
+    ("x and residual share memory",
+     lambda: (lambda t: ops.fused_add_rms_norm(t[:, :3], t[:, 1:], inplace=True))(torch.ones(2, 4))),
+    ("cannot be written into x",
+     lambda: ops.fused_add_rms_norm(torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(2, 4, dtype=torch.bfloat16),
+                                    torch.ones(4), inplace=True)),
+]
+
+
+@pytest.mark.parametrize("message, call", BAD_INPUTS, ids=[m for m, _ in BAD_INPUTS])
+def test_bad_inputs_name_the_argument(message, call):
+    with pytest.raises((TypeError, ValueError), match=_escape(message)):
+        call()
+
+
+def test_bad_input_leaves_caller_tensors_alone():
+    x, residual = torch.randn(2, 4), torch.randn(2, 4)
+    x_before, residual_before = x.clone(), residual.clone()
+    with pytest.raises(ValueError):
+        ops.fused_add_rms_norm(x, residual, torch.ones(5), inplace=True)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+def _escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
