@@ -1,7 +1,7 @@
 """Helion kernels for ``rms_norm`` and ``fused_add_rms_norm``.
 
 Every kernel works on 2-D row views ``[rows, hidden]`` with arbitrary strides, accumulates in
-fp32, and reproduces the casts of the Hugging Face module it replaces (``mode``):
+fp32, and reproduces the casts of the Hugging Face module it replaces (``numerics``):
 
 * ``llama``: normalise in fp32, cast to the input dtype, multiply by the weight in the
   promoted dtype (``weight * normed.to(input_dtype)``).
@@ -31,9 +31,9 @@ try:
 except Exception:  # Helion missing or broken: the ops fall back to other providers
     hl = None
 
-#: Values of the ``mode`` constexpr. Kernels compare constexprs with literals: Helion folds
+#: Values of the ``numerics`` constexpr. Kernels compare constexprs with literals: Helion folds
 #: those at compile time, but passes module-level constants in as runtime arguments.
-MODES = ("llama", "fp32_scale", "gemma")
+NUMERICS = ("llama", "fp32_scale", "gemma")
 
 _constexpr: Any = hl.constexpr if hl is not None else int
 
@@ -43,7 +43,7 @@ def _rms_norm(
     weight: torch.Tensor,
     out: torch.Tensor,
     eps: float,
-    mode: _constexpr,
+    numerics: _constexpr,
     has_weight: _constexpr,
 ) -> None:
     m, n = x.size()
@@ -53,9 +53,9 @@ def _rms_norm(
         normed = xf * inv_rms
         if has_weight:
             w = weight[None, :].to(torch.float32)
-            if mode == "llama":
+            if numerics == "llama":
                 y = normed.to(x.dtype).to(torch.float32) * w
-            elif mode == "fp32_scale":
+            elif numerics == "fp32_scale":
                 y = normed * w
             else:
                 y = normed * (1.0 + w)
@@ -71,7 +71,7 @@ def _fused_add_rms_norm_row(
     out: torch.Tensor,
     residual_out: torch.Tensor,
     eps: float,
-    mode: _constexpr,
+    numerics: _constexpr,
     has_weight: _constexpr,
 ) -> None:
     m, n = x.size()
@@ -83,9 +83,9 @@ def _fused_add_rms_norm_row(
         normed = sf * inv_rms
         if has_weight:
             w = weight[None, :].to(torch.float32)
-            if mode == "llama":
+            if numerics == "llama":
                 y = normed.to(x.dtype).to(torch.float32) * w
-            elif mode == "fp32_scale":
+            elif numerics == "fp32_scale":
                 y = normed * w
             else:
                 y = normed * (1.0 + w)
@@ -101,7 +101,7 @@ def _fused_add_rms_norm_chunked(
     out: torch.Tensor,
     residual_out: torch.Tensor,
     eps: float,
-    mode: _constexpr,
+    numerics: _constexpr,
     has_weight: _constexpr,
 ) -> None:
     m, n = x.size()
@@ -121,9 +121,9 @@ def _fused_add_rms_norm_chunked(
             normed = residual_out[tile_m, tile_n].to(torch.float32) * inv_rms[:, None]
             if has_weight:
                 w = weight[None, tile_n].to(torch.float32)
-                if mode == "llama":
+                if numerics == "llama":
                     y = normed.to(x.dtype).to(torch.float32) * w
-                elif mode == "fp32_scale":
+                elif numerics == "fp32_scale":
                     y = normed * w
                 else:
                     y = normed * (1.0 + w)

@@ -73,6 +73,8 @@ def choice(op: str, name: str, value: Any, allowed: tuple[str, ...]) -> str:
 
 def rows_collapse(x: torch.Tensor) -> bool:
     """Whether ``x`` views as ``[rows, x.shape[-1]]`` with one row stride (``x.view(-1, n)``)."""
+    if x.dim() <= 2 or x.is_contiguous():
+        return True
     sizes, strides = x.shape, x.stride()
     for i in range(x.dim() - 2):
         if sizes[i] != 1 and sizes[i + 1] != 1 and strides[i] != strides[i + 1] * sizes[i + 1]:
@@ -90,6 +92,10 @@ def needs_int64(*tensors: torch.Tensor | None) -> bool:
     """Whether an element offset of any tensor can exceed int32 (cheap: sizes and strides)."""
     for t in tensors:
         if t is None:
+            continue
+        if t.is_contiguous():
+            if t.numel() > INT32_MAX:
+                return True
             continue
         span = 0
         for size, stride in zip(t.shape, t.stride()):

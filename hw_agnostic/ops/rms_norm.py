@@ -2,10 +2,10 @@
 
 The references below are the specification. They normalise over the last dimension in fp32 (in
 fp64 for fp64 inputs, so the tests can evaluate the spec exactly) and cast where the Hugging
-Face module of each ``mode`` casts:
+Face module of each ``numerics`` casts:
 
 ==============  =======================================================  ======================
-mode            result                                                   HF modules
+numerics        result                                                   HF modules
 ==============  =======================================================  ======================
 ``llama``       ``weight * normed.to(x.dtype)`` (dtype: promoted)        Llama, Mistral, Qwen,
                                                                          Phi-3, Granite, ...
@@ -26,6 +26,7 @@ from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..autotune.keys import token_bucket
 from ..kernels import rms_norm as kernels
@@ -33,7 +34,7 @@ from ..kernels.runtime import helion_available
 from . import checks
 from .registry import Op, Provider
 
-MODES = kernels.MODES
+NUMERICS = kernels.NUMERICS
 MAX_KERNEL_HIDDEN = 65536
 
 
@@ -41,34 +42,34 @@ MAX_KERNEL_HIDDEN = 65536
 # the spec
 
 
-def _normalise(x: Tensor, weight: Optional[Tensor], eps: float, mode: str) -> Tensor:
+def _normalise(x: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> Tensor:
     compute = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(compute)
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is None:
         return normed.to(x.dtype)
-    if mode == "llama":
+    if numerics == "llama":
         return weight * normed.to(x.dtype)
-    if mode == "fp32_scale":
+    if numerics == "fp32_scale":
         return (weight.to(compute) * normed).to(x.dtype)
     return (normed * (1.0 + weight.to(compute))).to(x.dtype)
 
 
-def rms_norm_reference(x: Tensor, weight: Optional[Tensor], eps: float, mode: str) -> Tensor:
-    return _normalise(x, weight, eps, mode)
+def rms_norm_reference(x: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> Tensor:
+    return _normalise(x, weight, eps, numerics)
 
 
 def fused_add_rms_norm_reference(
-    x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, mode: str
+    x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, numerics: str
 ) -> tuple[Tensor, Tensor]:
     summed = residual + x
-    return _normalise(summed, weight, eps, mode), summed
+    return _normalise(summed, weight, eps, numerics), summed
 
 
 def fused_add_rms_norm_inplace_reference(
-    x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, mode: str
+    x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, numerics: str
 ) -> None:
-    normed, summed = fused_add_rms_norm_reference(x, residual, weight, eps, mode)
+    normed, summed = fused_add_rms_norm_reference(x, residual, weight, eps, numerics)
     residual.copy_(summed)
     x.copy_(normed)
 
@@ -84,12 +85,12 @@ class NormKey(NamedTuple):
     out_dtype: torch.dtype
     hidden: int
     tokens: int
-    mode: str
+    numerics: str
     rows_collapse: bool
     int64: bool
 
 
-def _check_norm_args(op: str, x: Tensor, weight: Optional[Tensor], eps: float, mode: str) -> None:
+def _check_norm_args(op: str, x: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> None:
     checks.tensor(op, "x", x)
     if x.shape[-1] == 0:
         raise ValueError(f"{op}: x's last dimension (the normalised one) must be >= 1; got shape {tuple(x.shape)}")
@@ -101,11 +102,11 @@ def _check_norm_args(op: str, x: Tensor, weight: Optional[Tensor], eps: float, m
                 f"{op}: weight must have shape ({x.shape[-1]},) to match x's last dimension; got {tuple(weight.shape)}"
             )
     checks.number(op, "eps", eps, minimum=0.0)
-    checks.choice(op, "mode", mode, MODES)
+    checks.choice(op, "numerics", numerics, NUMERICS)
 
 
-def _out_dtype(x: Tensor, weight: Optional[Tensor], mode: str) -> torch.dtype:
-    if weight is not None and mode == "llama":
+def _out_dtype(x: Tensor, weight: Optional[Tensor], numerics: str) -> torch.dtype:
+    if weight is not None and numerics == "llama" and weight.dtype != x.dtype:
         return torch.promote_types(x.dtype, weight.dtype)
     return x.dtype
 
@@ -117,47 +118,47 @@ def _check_residual(op: str, x: Tensor, residual: Tensor) -> None:
     checks.same_dtype(op, "residual", residual, "x", x)
 
 
-def check_rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, mode: str) -> None:
-    _check_norm_args("rms_norm", x, weight, eps, mode)
+def check_rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> None:
+    _check_norm_args("rms_norm", x, weight, eps, numerics)
 
 
-def check_fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, mode: str) -> None:
-    _check_norm_args("fused_add_rms_norm", x, weight, eps, mode)
+def check_fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> None:
+    _check_norm_args("fused_add_rms_norm", x, weight, eps, numerics)
     _check_residual("fused_add_rms_norm", x, residual)
 
 
 def check_fused_add_rms_norm_inplace(
-    x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, mode: str
+    x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, numerics: str
 ) -> None:
     op = "fused_add_rms_norm(inplace=True)"
-    _check_norm_args(op, x, weight, eps, mode)
+    _check_norm_args(op, x, weight, eps, numerics)
     _check_residual(op, x, residual)
-    out_dtype = _out_dtype(x, weight, mode)
+    out_dtype = _out_dtype(x, weight, numerics)
     if out_dtype != x.dtype:
         raise TypeError(
             f"{op}: the result dtype {out_dtype} (x {x.dtype} times weight "
-            f"{weight.dtype if weight is not None else None} in mode {mode!r}) differs from x's, "
+            f"{weight.dtype if weight is not None else None} in numerics {numerics!r}) differs from x's, "
             "so it cannot be written into x; pass inplace=False"
         )
     if _overlap(x, residual):
         raise ValueError(f"{op}: x and residual share memory; the in-place form needs two separate buffers")
 
 
-def rms_norm_key(x: Tensor, weight: Optional[Tensor], eps: float, mode: str) -> NormKey:
-    return _key(x, weight, mode)
+def rms_norm_key(x: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> NormKey:
+    return _key(x, weight, numerics)
 
 
 def fused_add_rms_norm_key(
-    x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, mode: str
+    x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, numerics: str
 ) -> NormKey:
-    return _key(x, weight, mode, residual)
+    return _key(x, weight, numerics, residual)
 
 
-def _key(x: Tensor, weight: Optional[Tensor], mode: str, *more: Tensor) -> NormKey:
+def _key(x: Tensor, weight: Optional[Tensor], numerics: str, *more: Tensor) -> NormKey:
     hidden = x.shape[-1]
     return NormKey(
-        x.device.type, x.dtype, None if weight is None else weight.dtype, _out_dtype(x, weight, mode), hidden,
-        token_bucket(x.numel() // hidden), mode,
+        x.device.type, x.dtype, None if weight is None else weight.dtype, _out_dtype(x, weight, numerics), hidden,
+        token_bucket(x.numel() // hidden), numerics,
         checks.rows_collapse(x) and all(checks.rows_collapse(t) for t in more),
         checks.needs_int64(x, *more),
     )
@@ -166,10 +167,9 @@ def _key(x: Tensor, weight: Optional[Tensor], mode: str, *more: Tensor) -> NormK
 def _overlap(a: Tensor, b: Tensor) -> bool:
     if a.numel() == 0 or b.numel() == 0:
         return False
-    try:
-        if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-            return False
-    except RuntimeError:  # fake tensors while tracing have no storage to compare
+    if isinstance(a, FakeTensor) or isinstance(b, FakeTensor):
+        return False  # tracing: there are no buffers to compare
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
     size = a.element_size()
 
@@ -201,26 +201,26 @@ def _tuning_key(key: NormKey) -> dict[str, object]:
 
 
 def _build_rms_norm(key: NormKey, config: dict, args: tuple) -> object:
-    x, weight, eps, mode = args
+    x, weight, eps, numerics = args
     hidden, has_weight = key.hidden, weight is not None
     rows = x.view(-1, hidden)
     out = torch.empty(rows.shape, dtype=key.out_dtype, device=x.device)
     launch = kernels.rms_norm_kernel.compile(
-        config, (rows, weight if has_weight else rows, out, eps, mode, has_weight), int64=key.int64
+        config, (rows, weight if has_weight else rows, out, eps, numerics, has_weight), int64=key.int64
     )
 
-    def run(x: Tensor, weight: Optional[Tensor], eps: float, mode: str) -> Tensor:
+    def run(x: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> Tensor:
         out = torch.empty(x.shape, dtype=key.out_dtype, device=x.device)
         rows = x.view(-1, hidden)
         if rows.shape[0]:
-            launch(rows, weight if has_weight else rows, out.view(-1, hidden), eps, mode, has_weight)
+            launch(rows, weight if has_weight else rows, out.view(-1, hidden), eps, numerics, has_weight)
         return out
 
     return run
 
 
 def _build_fused(key: NormKey, config: dict, args: tuple, *, inplace: bool) -> object:
-    x, residual, weight, eps, mode = args
+    x, residual, weight, eps, numerics = args
     hidden, has_weight = key.hidden, weight is not None
     variant, helion_config = kernels.split_variant(config)
     kernel = {
@@ -235,22 +235,22 @@ def _build_fused(key: NormKey, config: dict, args: tuple, *, inplace: bool) -> o
         residual_out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     launch = kernel.compile(
         helion_config,
-        (rows, residual_rows, weight if has_weight else rows, out, residual_out, eps, mode, has_weight),
+        (rows, residual_rows, weight if has_weight else rows, out, residual_out, eps, numerics, has_weight),
         int64=key.int64,
     )
 
-    def run_inplace(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, mode: str) -> None:
+    def run_inplace(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> None:
         rows, residual_rows = x.view(-1, hidden), residual.view(-1, hidden)
         if rows.shape[0]:
-            launch(rows, residual_rows, weight if has_weight else rows, rows, residual_rows, eps, mode, has_weight)
+            launch(rows, residual_rows, weight if has_weight else rows, rows, residual_rows, eps, numerics, has_weight)
 
-    def run(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, mode: str) -> tuple[Tensor, Tensor]:
+    def run(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> tuple[Tensor, Tensor]:
         out = torch.empty(x.shape, dtype=key.out_dtype, device=x.device)
         summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         rows = x.view(-1, hidden)
         if rows.shape[0]:
             launch(rows, residual.view(-1, hidden), weight if has_weight else rows,
-                   out.view(-1, hidden), summed.view(-1, hidden), eps, mode, has_weight)
+                   out.view(-1, hidden), summed.view(-1, hidden), eps, numerics, has_weight)
         return out, summed
 
     return run_inplace if inplace else run
@@ -274,8 +274,8 @@ def _example_rms_norm(tokens: int, hidden: int, dtype: torch.dtype, device: str)
 
 
 def _example_fused(tokens: int, hidden: int, dtype: torch.dtype, device: str) -> tuple:
-    x, weight, eps, mode = _example_rms_norm(tokens, hidden, dtype, device)
-    return x, torch.randn_like(x), weight, eps, mode
+    x, weight, eps, numerics = _example_rms_norm(tokens, hidden, dtype, device)
+    return x, torch.randn_like(x), weight, eps, numerics
 
 
 rms_norm_op = Op(
@@ -299,21 +299,21 @@ fused_add_rms_norm_inplace_op = Op(
 # public API
 
 
-def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *, mode: str = "llama") -> Tensor:
-    """RMS-normalise ``x`` over its last dimension, as the Hugging Face RMSNorm of ``mode`` does.
+def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *, numerics: str = "llama") -> Tensor:
+    """RMS-normalise ``x`` over its last dimension, as the Hugging Face RMSNorm of ``numerics`` does.
 
     Args:
         x: ``[..., hidden]``, fp32/fp16/bf16 (fp64 runs on the reference). Rows may be strided,
             e.g. ``buf[..., :hidden]`` of a wider buffer.
         weight: ``[hidden]`` or None (no scale).
         eps: added to the mean square before the reciprocal square root.
-        mode: ``"llama"`` (default), ``"fp32_scale"`` (OLMo-2, gpt-oss) or ``"gemma"`` (``1 + w``).
+        numerics: ``"llama"`` (default), ``"fp32_scale"`` (OLMo-2, gpt-oss) or ``"gemma"`` (``1 + w``).
 
     Returns:
-        A new tensor shaped like ``x``; dtype ``x.dtype``, or in ``llama`` mode the promotion
+        A new tensor shaped like ``x``; dtype ``x.dtype``, or in ``llama`` numerics the promotion
         of ``x.dtype`` and ``weight.dtype`` (HF multiplies after casting).
     """
-    return rms_norm_op(x, weight, eps, mode)
+    return rms_norm_op(x, weight, eps, numerics)
 
 
 def fused_add_rms_norm(
@@ -322,16 +322,16 @@ def fused_add_rms_norm(
     weight: Optional[Tensor] = None,
     eps: float = 1e-6,
     *,
-    mode: str = "llama",
+    numerics: str = "llama",
     inplace: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """``s = residual + x; return rms_norm(s, weight, eps, mode=mode), s`` in one pass over memory.
+    """``s = residual + x; return rms_norm(s, weight, eps, numerics=numerics), s`` in one pass over memory.
 
     With ``inplace=True`` the results are written into the arguments (``x`` receives the normed
     output and ``residual`` the sum) and those two tensors are returned; ``x`` and ``residual``
-    must not overlap, and in ``llama`` mode the weight must not promote the dtype.
+    must not overlap, and in ``llama`` numerics the weight must not promote the dtype.
     """
     if inplace:
-        fused_add_rms_norm_inplace_op(x, residual, weight, eps, mode)
+        fused_add_rms_norm_inplace_op(x, residual, weight, eps, numerics)
         return x, residual
-    return fused_add_rms_norm_op(x, residual, weight, eps, mode)
+    return fused_add_rms_norm_op(x, residual, weight, eps, numerics)

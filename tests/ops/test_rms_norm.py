@@ -19,7 +19,7 @@ from hw_agnostic.tolerances import assert_close
 from tests.harness import Case, check_provider, dsl_providers
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-MODES = ("llama", "fp32_scale", "gemma")
+NUMERICS = ("llama", "fp32_scale", "gemma")
 SMALL_ROW_CONFIG = {"block_sizes": [2], "reduction_loops": [16], "num_warps": 4, "num_stages": 1}
 SMALL_FUSED_CONFIGS = (
     {"variant": "row", "block_sizes": [2], "num_warps": 4, "num_stages": 1},
@@ -44,27 +44,27 @@ def rows(lead: tuple[int, ...], hidden: int, dtype: torch.dtype, layout: str, g:
     raise ValueError(layout)
 
 
-def _weight(hidden: int, dtype: torch.dtype | None, mode: str, g: torch.Generator) -> torch.Tensor | None:
+def _weight(hidden: int, dtype: torch.dtype | None, numerics: str, g: torch.Generator) -> torch.Tensor | None:
     if dtype is None:
         return None
-    scale = 0.3 if mode == "gemma" else 1.0
+    scale = 0.3 if numerics == "gemma" else 1.0
     return (scale * torch.randn(hidden, generator=g)).to(dtype)
 
 
-def norm_case(lead, hidden, dtype, *, mode="llama", weight_dtype="same", layout="contiguous", config=None, fused=False):
+def norm_case(lead, hidden, dtype, *, numerics="llama", weight_dtype="same", layout="contiguous", config=None, fused=False):
     weight_dtype = dtype if weight_dtype == "same" else weight_dtype
     wname = "none" if weight_dtype is None else str(weight_dtype).removeprefix("torch.")
-    name = (f"{'x'.join(map(str, lead))}x{hidden}-{str(dtype).removeprefix('torch.')}-{mode}-w{wname}-{layout}"
+    name = (f"{'x'.join(map(str, lead))}x{hidden}-{str(dtype).removeprefix('torch.')}-{numerics}-w{wname}-{layout}"
             + ("-small" if config else "") + (f"-{config['variant']}" if config and "variant" in config else ""))
 
     def make():
         g = _generator(name)
         x = rows(lead, hidden, dtype, layout, g)
-        w = _weight(hidden, weight_dtype, mode, g)
+        w = _weight(hidden, weight_dtype, numerics, g)
         if fused:
             residual = rows(lead, hidden, dtype, "contiguous", g)
-            return x, residual, w, 1e-6, mode
-        return x, w, 1e-6, mode
+            return x, residual, w, 1e-6, numerics
+        return x, w, 1e-6, numerics
 
     return Case(name, make, config)
 
@@ -72,15 +72,15 @@ def norm_case(lead, hidden, dtype, *, mode="llama", weight_dtype="same", layout=
 def _cases(fused: bool) -> list[Case]:
     small_configs = SMALL_FUSED_CONFIGS if fused else (SMALL_ROW_CONFIG,)
     cases = []
-    # Every dtype x mode on an odd shape, once with default and once with small blocks (masks).
-    for dtype, mode in itertools.product(DTYPES, MODES):
-        cases.append(norm_case((7,), 37, dtype, mode=mode, fused=fused))
+    # Every dtype x numerics on an odd shape, once with default and once with small blocks (masks).
+    for dtype, numerics in itertools.product(DTYPES, NUMERICS):
+        cases.append(norm_case((7,), 37, dtype, numerics=numerics, fused=fused))
         for config in small_configs:
-            cases.append(norm_case((5,), 45, dtype, mode=mode, config=config, fused=fused))
+            cases.append(norm_case((5,), 45, dtype, numerics=numerics, config=config, fused=fused))
     cases += [
         norm_case((1,), 1, torch.float32, fused=fused),
         norm_case((3,), 128, torch.bfloat16, weight_dtype=None, fused=fused),
-        norm_case((3,), 96, torch.bfloat16, mode="gemma", weight_dtype=None, fused=fused),
+        norm_case((3,), 96, torch.bfloat16, numerics="gemma", weight_dtype=None, fused=fused),
         norm_case((2, 3), 48, torch.float16, fused=fused),
         norm_case((4,), 1000, torch.bfloat16, layout="padded", fused=fused),
         norm_case((2, 3), 77, torch.float32, layout="padded", fused=fused),
@@ -88,10 +88,10 @@ def _cases(fused: bool) -> list[Case]:
         norm_case((0,), 64, torch.bfloat16, fused=fused),
         norm_case((1,), 4097, torch.bfloat16, fused=fused),
         norm_case((2,), 65536, torch.bfloat16, fused=fused),
-        norm_case((2,), 20000, torch.float32, mode="fp32_scale", fused=fused),
+        norm_case((2,), 20000, torch.float32, numerics="fp32_scale", fused=fused),
         norm_case((3, 2), 24, torch.float32, layout="permuted", fused=fused),
     ]
-    if not fused:  # a fp32 weight promotes the llama-mode result to fp32
+    if not fused:  # a fp32 weight promotes the llama-numerics result to fp32
         cases.append(norm_case((3,), 64, torch.bfloat16, weight_dtype=torch.float32))
     return cases
 
@@ -131,15 +131,15 @@ def test_fused_add_rms_norm_inplace_dsl(provider, case, device):
     lead=st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple),
     hidden=st.integers(1, 300),
     dtype=st.sampled_from(DTYPES),
-    mode=st.sampled_from(MODES),
+    numerics=st.sampled_from(NUMERICS),
     layout=st.sampled_from(["contiguous", "padded", "inner_stride"]),
     fused=st.booleans(),
 )
-def test_fuzz_shapes_and_strides(lead, hidden, dtype, mode, layout, fused):
+def test_fuzz_shapes_and_strides(lead, hidden, dtype, numerics, layout, fused):
     from tests.conftest import kernel_device
 
     op = fused_add_rms_norm_op if fused else rms_norm_op
-    case = norm_case(lead, hidden, dtype, mode=mode, layout=layout, fused=fused)
+    case = norm_case(lead, hidden, dtype, numerics=numerics, layout=layout, fused=fused)
     for provider in dsl_providers(op):
         check_provider(op, provider, case, kernel_device())
 
@@ -176,22 +176,22 @@ HF_MODULES = {"llama": LlamaRMSNorm, "fp32_scale": Olmo2RMSNorm, "gemma": GemmaR
 
 @pytest.mark.parametrize("provider", _providers_here())
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("mode", MODES)
-def test_matches_hf_module(mode, dtype, provider):
+@pytest.mark.parametrize("numerics", NUMERICS)
+def test_matches_hf_module(numerics, dtype, provider):
     from tests.conftest import kernel_device
 
     device = "cpu" if provider == "reference" else kernel_device()
-    g = _generator(f"hf-{mode}-{dtype}")
+    g = _generator(f"hf-{numerics}-{dtype}")
     hidden = 96
-    module = HF_MODULES[mode](hidden, eps=1e-5)
+    module = HF_MODULES[numerics](hidden, eps=1e-5)
     with torch.no_grad():
-        module.weight.copy_(torch.randn(hidden, generator=g) * (0.3 if mode == "gemma" else 1.0))
+        module.weight.copy_(torch.randn(hidden, generator=g) * (0.3 if numerics == "gemma" else 1.0))
     module = module.to(device=device, dtype=dtype)
     x = (torch.randn(3, 5, hidden, generator=g) * 4).to(device=device, dtype=dtype)
     with torch.no_grad():
         want = module(x)
     with ops.use_provider(provider, ops.rms_norm):
-        got = ops.rms_norm(x, module.weight, 1e-5, mode=mode)
+        got = ops.rms_norm(x, module.weight, 1e-5, numerics=numerics)
     assert got.dtype == want.dtype
     if dtype == torch.float32:
         relative = ((got - want).norm() / want.norm()).item()
@@ -264,7 +264,7 @@ BAD_INPUTS = [
     ("eps must be >= 0.0", lambda: ops.rms_norm(torch.ones(2, 4), None, -1e-6)),
     ("eps must be a float", lambda: ops.rms_norm(torch.ones(2, 4), None, "1e-6")),
     ("eps must be finite", lambda: ops.rms_norm(torch.ones(2, 4), None, float("nan"))),
-    ("mode must be one of", lambda: ops.rms_norm(torch.ones(2, 4), mode="olmo")),
+    ("numerics must be one of", lambda: ops.rms_norm(torch.ones(2, 4), numerics="olmo")),
     ("residual must have the shape of x", lambda: ops.fused_add_rms_norm(torch.ones(2, 4), torch.ones(3, 4))),
     ("residual must have the dtype of x",
      lambda: ops.fused_add_rms_norm(torch.ones(2, 4), torch.ones(2, 4, dtype=torch.float16))),

@@ -1,0 +1,122 @@
+"""Every op as a custom op: opcheck, torch.compile(fullgraph=True), and the compiled reference."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from hw_agnostic import ops
+from hw_agnostic.ops import registry
+from hw_agnostic.ops.registry import all_ops
+from tests.conftest import kernel_device
+from tests.harness import dsl_providers
+
+ALL_OPS = sorted(name for name in all_ops() if not name.startswith("test_"))  # test modules add test_* ops
+
+
+def _providers() -> list:
+    dsl = dsl_providers(all_ops()["rms_norm"]) if kernel_device() else []
+    return ["reference", *[pytest.param(p, marks=pytest.mark.dsl) for p in dsl]]
+
+
+@pytest.mark.parametrize("provider", _providers())
+@pytest.mark.parametrize("name", ALL_OPS)
+def test_opcheck(name, provider):
+    op = all_ops()[name]
+    device = "cpu" if provider == "reference" else kernel_device()
+    for tokens, width, dtype in ((3, 16, torch.float32), (5, 24, torch.bfloat16)):
+        args = op.example_inputs(tokens, width, dtype, device)
+        with ops.use_provider(provider, op):
+            torch.library.opcheck(op.torch_op, args)
+
+
+def _every_op(x, residual, weight):
+    normed = ops.rms_norm(x, weight)
+    gemma = ops.rms_norm(x, weight, 1e-5, numerics="gemma")
+    fused, summed = ops.fused_add_rms_norm(x, residual, weight, numerics="fp32_scale")
+    x2, residual2 = x.clone(), residual.clone()
+    ops.fused_add_rms_norm(x2, residual2, weight, inplace=True)
+    return (ops.silu_and_mul(normed), ops.gelu_and_mul(gemma, "tanh"), ops.swiglu_oai(fused),
+            summed, x2, residual2)
+
+
+def _inputs(tokens: int, device: str):
+    g = torch.Generator().manual_seed(tokens)
+    x, residual, weight = (torch.randn(*shape, generator=g).to(device) for shape in ((tokens, 32), (tokens, 32), (32,)))
+    return x, residual, weight
+
+
+@pytest.mark.parametrize("provider", _providers())
+def test_compile_fullgraph_through_every_op(provider):
+    device = "cpu" if provider == "reference" else kernel_device()
+    torch._dynamo.reset()
+    compiled = torch.compile(_every_op, fullgraph=True, backend="aot_eager", dynamic=True)
+    with ops.use_provider(provider):
+        for tokens in (3, 7):
+            args = _inputs(tokens, device)
+            for got, want in zip(compiled(*args), _every_op(*args)):
+                torch.testing.assert_close(got, want)
+
+
+@pytest.mark.slow
+def test_compile_with_inductor():
+    """The custom ops inside an Inductor graph (the backend users get by default)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_every_op, fullgraph=True)
+    args = _inputs(4, "cpu")
+    for got, want in zip(compiled(*args), _every_op(*args)):
+        torch.testing.assert_close(got, want)
+
+
+def test_backward_through_an_op_raises_a_clear_error():
+    x = torch.randn(2, 8, requires_grad=True)
+    out = ops.rms_norm(x, torch.ones(8))
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        out.sum().backward()
+
+
+# --------------------------------------------------------------------------------------------
+# the compiled reference (the CPU fast path)
+
+
+@pytest.mark.slow
+def test_reference_runs_compiled_and_matches_eager(monkeypatch):
+    monkeypatch.setenv(registry.COMPILE_ENV, "1")
+    ops.reset()
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, generator=g).to(torch.bfloat16)
+    for tokens in (1, 5, 9, 33):  # one compile, then the token count goes dynamic
+        x = torch.randn(tokens, 64, generator=g).to(torch.bfloat16)
+        with ops.trace_dispatch() as ran:
+            got = ops.rms_norm(x, weight)
+        assert isinstance(ran[0].run, registry._CompiledReference)
+        torch.testing.assert_close(got, ops.get_op("rms_norm").reference(x, weight, 1e-6, "llama"))
+
+
+def test_reference_falls_back_to_eager_when_compiling_fails(monkeypatch, caplog):
+    monkeypatch.setenv(registry.COMPILE_ENV, "1")
+
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no C++ compiler")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    ops.reset()
+    x, weight = torch.randn(3, 16), torch.randn(16)
+    with caplog.at_level(logging.WARNING, logger="hw_agnostic.ops"):
+        got = ops.rms_norm(x, weight)
+        ops.rms_norm(x, weight)
+    torch.testing.assert_close(got, ops.get_op("rms_norm").reference(x, weight, 1e-6, "llama"))
+    warnings = [r for r in caplog.records if "running it eagerly" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_compiling_the_reference_can_be_disabled(monkeypatch):
+    monkeypatch.setenv(registry.COMPILE_ENV, "0")
+    ops.reset()
+    plan = ops.get_op("rms_norm").plan(torch.randn(2, 8), None, 1e-6, "llama")
+    assert plan.run is ops.get_op("rms_norm").reference

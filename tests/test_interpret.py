@@ -1,0 +1,130 @@
+"""The CPU-interpreter fixes: what they repair, and that they stay away when not asked for."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from hw_agnostic.kernels.interpret import interpreter_mode
+
+triton_tier = pytest.mark.skipif(interpreter_mode() != "triton", reason="needs TRITON_INTERPRET=1")
+
+
+def test_nothing_is_patched_without_an_interpreter_variable():
+    probe = (
+        "import triton.language.extra.libdevice as ld, triton.runtime.interpreter as it\n"
+        "before = (ld.rsqrt, it.InterpreterBuilder.binary_op, it.InterpreterBuilder.cast_impl)\n"
+        "import hw_agnostic.ops\n"
+        "after = (ld.rsqrt, it.InterpreterBuilder.binary_op, it.InterpreterBuilder.cast_impl)\n"
+        "assert before == after, 'patched without an interpreter'\n"
+        "import torch\n"
+        "try:\n"
+        "    torch.ops.aten.mm.dtype(torch.ones(1, 1, dtype=torch.bfloat16), torch.ones(1, 1, dtype=torch.bfloat16), torch.float32)\n"
+        "    print('has-mm-dtype')\n"
+        "except (RuntimeError, NotImplementedError):\n"
+        "    print('untouched')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HELION_INTERPRET")}
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() in ("untouched", "has-mm-dtype")
+
+
+def test_both_interpreters_at_once_is_an_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("HELION_INTERPRET", "1")
+    with pytest.raises(RuntimeError, match="separate processes"):
+        interpreter_mode()
+
+
+@pytest.mark.dsl
+@pytest.mark.skipif(interpreter_mode() != "helion", reason="needs HELION_INTERPRET=1")
+def test_mm_dtype_has_a_cpu_kernel_in_helion_interpret_mode():
+    a, b = torch.randn(3, 4).to(torch.bfloat16), torch.randn(4, 5).to(torch.bfloat16)
+    got = torch.ops.aten.mm.dtype(a, b, torch.float32)
+    torch.testing.assert_close(got, a.float() @ b.float())
+
+
+# --------------------------------------------------------------------------------------------
+# Triton interpreter: raw kernels exercising each repaired path
+
+
+
+@triton.jit
+def unary(x_ptr, out_ptr, n, OP: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=1.0)
+    if OP == "rsqrt":
+        y = libdevice.rsqrt(x)
+    elif OP == "tanh":
+        y = libdevice.tanh(x)
+    elif OP == "erf":
+        y = libdevice.erf(x)
+    elif OP == "exp":
+        y = libdevice.exp(x)
+    elif OP == "pow":
+        y = libdevice.pow(x, 2.5)
+    else:
+        y = libdevice.log1p(x)
+    tl.store(out_ptr + offs, y, mask=mask)
+
+@triton.jit
+def bf16_math(a_ptr, b_ptr, sum_ptr, prod_ptr, less_ptr, rowsum_ptr, dot_ptr, to_bf16_ptr, f32_ptr,
+              N: tl.constexpr):
+    rows = tl.arange(0, N)[:, None]
+    cols = tl.arange(0, N)[None, :]
+    a = tl.load(a_ptr + rows * N + cols)
+    b = tl.load(b_ptr + rows * N + cols)
+    tl.store(sum_ptr + rows * N + cols, a + b)
+    tl.store(prod_ptr + rows * N + cols, a * b)
+    tl.store(less_ptr + rows * N + cols, (a < b).to(tl.int8))
+    tl.store(rowsum_ptr + tl.arange(0, N), tl.sum(a.to(tl.float32), axis=1).to(tl.bfloat16))
+    tl.store(dot_ptr + rows * N + cols, tl.dot(a, b, out_dtype=tl.float32))
+    f = tl.load(f32_ptr + rows * N + cols)
+    tl.store(to_bf16_ptr + rows * N + cols, f.to(tl.bfloat16))
+
+
+
+
+@triton_tier
+@pytest.mark.dsl
+@pytest.mark.parametrize("op, reference", [
+    ("rsqrt", torch.rsqrt), ("tanh", torch.tanh), ("erf", torch.erf), ("exp", torch.exp),
+    ("pow", lambda t: t.pow(2.5)), ("log1p", torch.log1p),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_libdevice_functions_compute(op, reference, dtype):
+    x = (torch.rand(37) * 2 + 0.1).to(dtype)
+    out = torch.full_like(x, float("nan"))
+    unary[(1,)](x, out, 37, OP=op, BLOCK=64)
+    want = reference(x.double()).to(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), want.double(), rtol=tol, atol=tol)
+
+
+@triton_tier
+@pytest.mark.dsl
+def test_bf16_arithmetic_and_rounding_match_torch():
+    n = 16
+    a = torch.randn(n, n).to(torch.bfloat16)
+    b = torch.randn(n, n).to(torch.bfloat16)
+    f32 = torch.randn(n, n) * 100
+    outs = dict(
+        sum=torch.empty_like(a), prod=torch.empty_like(a), less=torch.empty(n, n, dtype=torch.int8),
+        rowsum=torch.empty(n, dtype=torch.bfloat16), dot=torch.empty(n, n), to_bf16=torch.empty_like(a),
+    )
+    bf16_math[(1,)](a, b, outs["sum"], outs["prod"], outs["less"], outs["rowsum"], outs["dot"], outs["to_bf16"], f32, N=n)
+    assert torch.equal(outs["sum"], a + b)
+    assert torch.equal(outs["prod"], a * b)
+    assert torch.equal(outs["less"].bool(), a < b)
+    torch.testing.assert_close(outs["rowsum"], a.float().sum(1).to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(outs["dot"], a.float() @ b.float(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(outs["to_bf16"], f32.to(torch.bfloat16)), "float32 -> bf16 must round to nearest-even"

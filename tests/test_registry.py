@@ -1,0 +1,206 @@
+"""Dispatch: provider choice and fallback, forcing, plans, inspection, config provenance."""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from hw_agnostic import ops
+from hw_agnostic.autotune import cache as config_cache
+from hw_agnostic.autotune.keys import token_bucket
+from hw_agnostic.kernels.interpret import interpreter_mode
+from hw_agnostic.kernels.runtime import KernelSpec
+from hw_agnostic.ops.registry import PROVIDER_ENV, Op, Provider, ProviderError
+
+
+def _call(tokens: int = 3, hidden: int = 16):
+    return torch.randn(tokens, hidden), torch.ones(hidden)
+
+
+@pytest.mark.skipif(interpreter_mode() is not None, reason="checks the plain CPU path")
+def test_cpu_falls_back_to_the_reference_and_says_why():
+    plan = ops.get_op("rms_norm").plan(*_call(), 1e-6, "llama")
+    assert plan.provider == "reference"
+    assert "device 'cpu' is not supported" in plan.skipped["helion"]
+    assert "TRITON_INTERPRET=1" in plan.skipped["helion"]
+
+
+@pytest.mark.skipif(interpreter_mode() is not None, reason="checks the plain CPU path")
+def test_forcing_a_provider_that_cannot_run_is_an_error(monkeypatch):
+    monkeypatch.setenv(PROVIDER_ENV, "helion")
+    with pytest.raises(ProviderError, match=r"'helion' was forced \(HW_AGNOSTIC_PROVIDER\).*device 'cpu'"):
+        ops.rms_norm(*_call())
+    with ops.use_provider("helion", ops.silu_and_mul), pytest.raises(ProviderError, match="use_provider for silu_and_mul"):
+        ops.silu_and_mul(torch.randn(2, 8))
+
+
+def test_forcing_an_unknown_provider_names_the_ones_there_are(monkeypatch):
+    monkeypatch.setenv(PROVIDER_ENV, "cuda_graphs")
+    with pytest.raises(ProviderError, match="has no such provider \\(it has helion, reference\\)"):
+        ops.rms_norm(*_call())
+
+
+def test_environment_forcing_per_op(monkeypatch):
+    monkeypatch.setenv(PROVIDER_ENV, "rms_norm=reference,helion")
+    with ops.trace_dispatch() as ran:
+        ops.rms_norm(*_call())
+    assert ran[0].provider == "reference"
+    monkeypatch.setenv(PROVIDER_ENV, "rms_nrom=reference")
+    ops.reset()
+    with pytest.raises(ProviderError, match="names op 'rms_nrom', which does not exist"):
+        ops.rms_norm(*_call())
+
+
+def test_use_provider_is_scoped_and_covers_the_inplace_variant():
+    x, residual = torch.randn(2, 8), torch.randn(2, 8)
+    with ops.use_provider("reference", ops.fused_add_rms_norm), ops.trace_dispatch() as ran:
+        ops.fused_add_rms_norm(x, residual, inplace=True)
+    assert [(p.op, p.provider) for p in ran] == [("fused_add_rms_norm_", "reference")]
+    from hw_agnostic.ops.registry import forced_provider
+
+    assert forced_provider("fused_add_rms_norm_") is None
+
+
+def test_a_plan_is_built_once_per_key_and_counts_calls():
+    op = ops.get_op("rms_norm")
+    x, w = _call(5)
+    first = op.plan(x, w, 1e-6, "llama")
+    ops.rms_norm(x, w)
+    ops.rms_norm(torch.randn(7, 16), w)  # same token bucket (8): same plan
+    assert op.plan(x, w, 1e-6, "llama") is first and first.calls == 2
+    ops.rms_norm(torch.randn(9, 16), w)  # next bucket: a new plan
+    assert len(op.plans()) == 2
+
+
+def test_trace_dispatch_records_in_call_order():
+    x = torch.randn(2, 16)
+    with ops.trace_dispatch() as ran:
+        ops.silu_and_mul(ops.rms_norm(x))
+    assert [p.op for p in ran] == ["rms_norm", "silu_and_mul"]
+    assert "rms_norm: " in ran[0].describe()
+
+
+def test_plans_are_logged_at_debug(caplog):
+    with caplog.at_level(logging.DEBUG, logger="hw_agnostic.ops"):
+        ops.gelu_and_mul(torch.randn(2, 8))
+    assert any(r.getMessage().startswith("gelu_and_mul: ") for r in caplog.records)
+
+
+def test_custom_ops_are_registered():
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(torch.ops.hw_agnostic.rms_norm(x, None, 1e-6, "llama"), ops.rms_norm(x))
+    assert set(ops.all_ops()) >= {"rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_", "silu_and_mul",
+                                  "gelu_and_mul", "swiglu_oai"}
+
+
+def test_registering_an_op_twice_fails():
+    op = ops.get_op("rms_norm")
+    with pytest.raises(ValueError, match="already registered"):
+        Op("rms_norm", op.reference, check=op.check, key=op.key)
+
+
+def test_unknown_op_name_in_the_api():
+    with pytest.raises(ValueError, match="unknown op 'layer_norm'"):
+        ops.use_provider("reference", "layer_norm").__enter__()
+
+
+@pytest.mark.dsl
+def test_a_declined_call_falls_back_to_the_reference(device):
+    """Leading dims that do not collapse into one row stride: the kernel declines, the result is right."""
+    x = torch.randn(4, 3, 16, device=device).transpose(0, 1)
+    with ops.trace_dispatch() as ran:
+        got = ops.rms_norm(x)
+    assert ran[0].provider == "reference"
+    assert "do not collapse" in ran[0].skipped["helion"]
+    torch.testing.assert_close(got, ops.get_op("rms_norm").reference(x, None, 1e-6, "llama"))
+
+
+@pytest.mark.dsl
+def test_kernel_dtypes_are_declined_not_miscomputed(device):
+    x = torch.randn(3, 16, dtype=torch.float64, device=device)
+    with ops.trace_dispatch() as ran:
+        ops.silu_and_mul(x)
+    assert ran[0].provider == "reference" and "float64" in ran[0].skipped["helion"]
+
+
+# --------------------------------------------------------------------------------------------
+# tuned configs reach the plan: a test op whose provider runs on the CPU and records its config
+
+
+class _ScaleKey(NamedTuple):
+    device: str
+    width: int
+    tokens: int
+
+
+def _scale_reference(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+_launched: list[dict] = []
+
+
+def _build_scale(key, config, args):
+    def run(x):
+        _launched.append(config)
+        return x * 2
+
+    return run
+
+
+SCALE_KERNEL = KernelSpec("test_scale", (_scale_reference,), lambda key: {"block": 1},
+                          lambda key: [{"block": 1}, {"block": 2}])
+SCALE_OP = Op(
+    "test_scale", _scale_reference,
+    check=lambda x: None, key=lambda x: _ScaleKey(x.device.type, x.shape[-1], token_bucket(x.numel() // x.shape[-1])),
+    providers=[Provider("fast", _build_scale, devices=frozenset({"cpu"}), kernel=SCALE_KERNEL,
+                        tuning_key=lambda key: {"width": key.width})],
+    example_inputs=lambda tokens, width, dtype, device: (torch.randn(tokens, width, dtype=dtype, device=device),),
+)
+
+
+def test_a_saved_config_is_the_one_the_runtime_picks(tmp_path, monkeypatch):
+    monkeypatch.setenv(config_cache.USER_ROOT_ENV, str(tmp_path))
+    x = torch.randn(6, 4)
+    assert SCALE_OP.plan(x).config.source == "default"
+    config_cache.save_entry(SCALE_KERNEL, "cpu", {"width": 4, "tokens": 8}, {"block": 2}, time_us=1.0)
+    _launched.clear()
+    with ops.trace_dispatch() as ran:
+        SCALE_OP(x)
+    choice = ran[0].config
+    assert (choice.source, choice.match, choice.config) == ("user", "exact", {"block": 2})
+    assert choice.path == str(tmp_path / "cpu" / "test_scale.json")
+    assert _launched == [{"block": 2}]
+    # another token count with the same static key takes the nearest tuned bucket
+    assert SCALE_OP.plan(torch.randn(100, 4)).config.match == "nearest"
+
+
+def test_use_config_overrides_tuned_configs(tmp_path, monkeypatch):
+    monkeypatch.setenv(config_cache.USER_ROOT_ENV, str(tmp_path))
+    with ops.use_config(SCALE_OP, {"block": 7}):
+        choice = SCALE_OP.plan(torch.randn(2, 4)).config
+    assert (choice.source, choice.config) == ("override", {"block": 7})
+    assert SCALE_OP.plan(torch.randn(2, 4)).config.source == "default"
+
+
+def test_a_config_that_fails_to_build_falls_back_to_the_default(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(config_cache.USER_ROOT_ENV, str(tmp_path))
+    config_cache.save_entry(SCALE_KERNEL, "cpu", {"width": 5, "tokens": 2}, {"block": "bad"}, time_us=None)
+    original = SCALE_OP.providers[0].build
+
+    def picky_build(key, config, args):
+        if config["block"] == "bad":
+            raise ValueError("block must be an int")
+        return original(key, config, args)
+
+    object.__setattr__(SCALE_OP.providers[0], "build", picky_build)
+    try:
+        with caplog.at_level(logging.WARNING):
+            plan = SCALE_OP.plan(torch.randn(2, 5))
+    finally:
+        object.__setattr__(SCALE_OP.providers[0], "build", original)
+    assert plan.provider == "fast" and plan.config.source == "default"
+    assert any("failed to build" in r.getMessage() for r in caplog.records)
