@@ -33,7 +33,7 @@ bench: $(VENV)/.installed-bench
 	$(PY) -m bench --device $(DEVICE)
 
 autotune: $(VENV)/.installed-bench
-	$(PY) -m hw_agnostic.autotune --device $(DEVICE) --ops $(OPS)
+	$(PY) -m hw_agnostic.autotune --device $(DEVICE) --ops $(OPS) --out hw_agnostic/autotune_cache
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -41,6 +41,11 @@ def tolerance(dtype: torch.dtype) -> Tolerance:
         raise KeyError(f"no tolerance for {dtype}; the table covers {sorted(map(str, TOLERANCES))}") from None
 
 
+def least_precise(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype whose rounding bounds an op's error: a bf16 input limits a fp32 result too."""
+    return max(dtypes, key=lambda d: torch.finfo(d).eps)
+
+
 def mismatch(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None) -> str | None:
     """None when ``actual`` matches the float64 ``expected`` within the table, else a report."""
     dtype = actual.dtype if dtype is None else dtype

@@ -30,7 +30,7 @@ import torch
 
 from hw_agnostic import ops
 from hw_agnostic.ops.registry import Op
-from hw_agnostic.tolerances import mismatch
+from hw_agnostic.tolerances import least_precise, mismatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +62,6 @@ def poisoned_allocations() -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
         torch.utils.deterministic.fill_uninitialized_memory = was_filling
-
-
-def least_precise(*dtypes: torch.dtype) -> torch.dtype:
-    """The dtype whose rounding bounds the error: a bf16 input rounds a fp32 result's operands."""
-    return max(dtypes, key=lambda d: torch.finfo(d).eps)
 
 
 def _base(t: torch.Tensor) -> torch.Tensor:

@@ -91,7 +91,7 @@ def test_reference_runs_compiled_and_matches_eager(monkeypatch):
         x = torch.randn(tokens, 64, generator=g).to(torch.bfloat16)
         with ops.trace_dispatch() as ran:
             got = ops.rms_norm(x, weight)
-        assert isinstance(ran[0].run, registry._CompiledReference)
+        assert isinstance(ran[0].run, registry.CompiledReference)
         torch.testing.assert_close(got, ops.get_op("rms_norm").reference(x, weight, 1e-6, "llama"))
 
 
@@ -120,3 +120,19 @@ def test_compiling_the_reference_can_be_disabled(monkeypatch):
     ops.reset()
     plan = ops.get_op("rms_norm").plan(torch.randn(2, 8), None, 1e-6, "llama")
     assert plan.run is ops.get_op("rms_norm").reference
+
+
+@pytest.mark.slow
+def test_inplace_reference_compiles_without_falling_back(monkeypatch, caplog):
+    """Inductor cannot compile the in-place reference as written; its compiled form must still run compiled."""
+    monkeypatch.setenv(registry.COMPILE_ENV, "1")
+    ops.reset()
+    g = torch.Generator().manual_seed(1)
+    x, residual = (torch.randn(6, 48, generator=g).to(torch.bfloat16) for _ in range(2))
+    weight = torch.randn(48, generator=g).to(torch.bfloat16)
+    want_normed, want_sum = ops.get_op("fused_add_rms_norm").reference(x, residual, weight, 1e-6, "llama")
+    with caplog.at_level(logging.WARNING, logger="hw_agnostic.ops"):
+        ops.fused_add_rms_norm(x, residual, weight, inplace=True)
+    assert not [r for r in caplog.records if "running it eagerly" in r.getMessage()]
+    assert torch.equal(residual, want_sum)
+    torch.testing.assert_close(x, want_normed, rtol=1.6e-2, atol=1e-2)

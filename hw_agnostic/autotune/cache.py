@@ -241,18 +241,11 @@ def _atomic_write(path: Path, text: str) -> None:
         raise
 
 
-def save_entry(
-    kernel: TunableKernel,
-    platform: str,
-    key: Mapping[str, KeyValue],
-    config: Mapping[str, Any],
-    *,
-    time_us: float | None,
-    root: Path | None = None,
-    tuned_with: Mapping[str, str] | None = None,
-    as_default: bool = False,
+def _update(
+    kernel: TunableKernel, platform: str, root: Path | None, tuned_with: Mapping[str, str] | None,
+    change: Callable[[dict[str, Any]], None],
 ) -> Path:
-    """Add (or replace) one entry, atomically; a stale or corrupt file is started afresh."""
+    """Read-modify-write one config file under a lock; a stale or corrupt file is started afresh."""
     root = user_root() if root is None else Path(root)
     path = config_path(root, platform, kernel.name)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -263,24 +256,46 @@ def save_entry(
         except CacheFileError as err:
             if path.exists():
                 log.warning("hw_agnostic: replacing %s (%s)", path, err)
-            data = {}
-        entries = [e for e in data.get("entries", []) if key_string(e["key"]) != key_string(key)]
-        entry: dict[str, Any] = {"key": dict(key), "config": dict(config)}
-        if time_us is not None:
-            entry["time_us"] = round(float(time_us), 3)
-        entries.append(entry)
-        entries.sort(key=lambda e: key_string(e["key"]))
-        document = {
-            "schema_version": SCHEMA_VERSION,
-            "kernel": kernel.name,
-            "platform": platform,
-            "source_hash": kernel.source_hash,
-            "default": {"config": dict(config)} if as_default else data.get("default"),
-            "entries": entries,
-            "tuned_with": dict(tuned_with or data.get("tuned_with") or {}),
-        }
-        if document["default"] is None:
-            del document["default"]
-        _atomic_write(path, json.dumps(document, indent=1, sort_keys=False) + "\n")
+            data = {"entries": []}
+        data.update(schema_version=SCHEMA_VERSION, kernel=kernel.name, platform=platform,
+                    source_hash=kernel.source_hash)
+        data["tuned_with"] = dict(tuned_with or data.get("tuned_with") or {})
+        change(data)
+        data["entries"].sort(key=lambda e: key_string(e["key"]))
+        order = ("schema_version", "kernel", "platform", "source_hash", "default", "entries", "tuned_with")
+        document = {name: data[name] for name in order if name in data}
+        _atomic_write(path, json.dumps(document, indent=1) + "\n")
     invalidate()
     return path
+
+
+def save_entry(
+    kernel: TunableKernel,
+    platform: str,
+    key: Mapping[str, KeyValue],
+    config: Mapping[str, Any],
+    *,
+    time_us: float | None,
+    root: Path | None = None,
+    tuned_with: Mapping[str, str] | None = None,
+) -> Path:
+    """Add (or replace) the entry for ``key``, atomically."""
+    entry: dict[str, Any] = {"key": dict(key), "config": dict(config)}
+    if time_us is not None:
+        entry["time_us"] = round(float(time_us), 3)
+
+    def change(data: dict[str, Any]) -> None:
+        data["entries"] = [e for e in data["entries"] if key_string(e["key"]) != key_string(key)] + [entry]
+
+    return _update(kernel, platform, root, tuned_with, change)
+
+
+def set_default(
+    kernel: TunableKernel, platform: str, config: Mapping[str, Any], *, root: Path | None = None
+) -> Path:
+    """Set the file's default entry: the config used for keys with no entry of their own."""
+
+    def change(data: dict[str, Any]) -> None:
+        data["default"] = {"config": dict(config)}
+
+    return _update(kernel, platform, root, None, change)

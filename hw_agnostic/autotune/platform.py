@@ -104,3 +104,34 @@ def detect_platform() -> str:
     if hasattr(torch, "xpu") and torch.xpu.is_available():
         return platform_of(torch.device("xpu", 0))
     return "cpu"
+
+
+class DeviceMismatch(RuntimeError):
+    """The device named on the command line is not the one this machine has."""
+
+
+def resolve_device(requested: str) -> tuple[torch.device, str]:
+    """The device and platform for ``DEVICE=...``; ``auto`` takes what is there.
+
+    A name that contradicts the hardware (``h100`` on an H200, ``h200`` on a CPU-only machine)
+    raises :class:`DeviceMismatch` saying what was found.
+    """
+    found = detect_platform()
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif hasattr(torch, "xpu") and torch.xpu.is_available():
+        device = torch.device("xpu", 0)
+    else:
+        device = torch.device("cpu")
+    if requested.strip().lower() in ("", "auto"):
+        return device, found
+    wanted = platform_from_cli(requested)
+    if wanted == "triton_interpreter":
+        return torch.device("cpu"), wanted
+    if wanted != found:
+        raise DeviceMismatch(
+            f"DEVICE={requested} means platform {wanted!r}, but this machine has {found!r}"
+            + (f" ({device_name(device)})" if device.type != "cpu" else "")
+            + "; pass DEVICE=auto or the platform that is here"
+        )
+    return device, found

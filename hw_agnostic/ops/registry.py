@@ -141,6 +141,7 @@ class Op:
         providers: Sequence[Provider] = (),
         mutates_args: Sequence[str] = (),
         example_inputs: Callable[..., tuple[Any, ...]] | None = None,
+        compiled_reference: Callable[[str, Callable[..., Any]], Callable[..., Any]] | None = None,
     ) -> None:
         if name in _ops:
             raise ValueError(f"op {name!r} is already registered")
@@ -150,6 +151,9 @@ class Op:
         self.key = key
         self.mutates_args = tuple(mutates_args)
         self.example_inputs = example_inputs
+        # What the reference provider runs when compiling is on: a factory given the op's name
+        # and reference, called once per key (for ops whose reference Inductor cannot compile as is).
+        self.compiled_reference = compiled_reference or CompiledReference
         self.providers: tuple[Provider, ...] = (*providers, _reference_provider(self))
         self._plans: dict[Any, Plan] = {}
         self.torch_op = self._register_custom_op()
@@ -293,7 +297,7 @@ def compile_reference_enabled() -> bool:
     return os.environ.get(COMPILE_ENV, "1").lower() not in ("0", "false", "no", "off")
 
 
-class _CompiledReference:
+class CompiledReference:
     """The reference under ``torch.compile``; eager from the first compile failure on."""
 
     def __init__(self, op_name: str, reference: Callable[..., Any]) -> None:
@@ -313,7 +317,7 @@ class _CompiledReference:
 
 
 def _reference_provider(op: Op) -> Provider:
-    compiled: dict[Any, _CompiledReference] = {}
+    compiled: dict[Any, Callable[..., Any]] = {}
 
     def build(key: Any, config: dict[str, Any] | None, args: tuple[Any, ...]) -> Callable[..., Any]:
         if not compile_reference_enabled() or key.device not in ("cpu", "cuda"):
@@ -321,7 +325,7 @@ def _reference_provider(op: Op) -> Provider:
         # One compiled function per key up to the token count, which dynamo keeps dynamic.
         specialisation = key._replace(tokens=None)
         if specialisation not in compiled:
-            compiled[specialisation] = _CompiledReference(op.name, op.reference)
+            compiled[specialisation] = op.compiled_reference(op.name, op.reference)
         return compiled[specialisation]
 
     return Provider("reference", build, devices=frozenset({"cpu", "cuda", "xpu", "mps", "hpu", "meta"}))

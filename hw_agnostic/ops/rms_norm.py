@@ -32,7 +32,7 @@ from ..autotune.keys import token_bucket
 from ..kernels import rms_norm as kernels
 from ..kernels.runtime import helion_available
 from . import checks
-from .registry import Op, Provider
+from .registry import CompiledReference, Op, Provider
 
 NUMERICS = kernels.NUMERICS
 MAX_KERNEL_HIDDEN = 65536
@@ -72,6 +72,27 @@ def fused_add_rms_norm_inplace_reference(
     normed, summed = fused_add_rms_norm_reference(x, residual, weight, eps, numerics)
     residual.copy_(summed)
     x.copy_(normed)
+
+
+def _normalise_into(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> None:
+    x.copy_(_normalise(residual, weight, eps, numerics))
+
+
+class _CompiledInplace:
+    """The in-place reference as the reference provider runs it when compiling.
+
+    Inductor (torch 2.13) fails on a reduction over an input the same graph mutates (``KeyError:
+    'buf1'``), so the residual is added in place eagerly and only the norm, which reads
+    ``residual`` and writes ``x``, is compiled. Same result as the reference: ``residual + x``
+    rounds the same in place.
+    """
+
+    def __init__(self, op_name: str, reference: object) -> None:
+        self.normalise_into = CompiledReference(op_name, _normalise_into)
+
+    def __call__(self, x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> None:
+        residual.add_(x)
+        self.normalise_into(x, residual, weight, eps, numerics)
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,7 +312,7 @@ fused_add_rms_norm_inplace_op = Op(
     "fused_add_rms_norm_", fused_add_rms_norm_inplace_reference, check=check_fused_add_rms_norm_inplace,
     key=fused_add_rms_norm_key,
     providers=[_helion(lambda k, c, a: _build_fused(k, c, a, inplace=True), kernels.FUSED_ADD_RMS_NORM)],
-    mutates_args=("x", "residual"), example_inputs=_example_fused,
+    mutates_args=("x", "residual"), example_inputs=_example_fused, compiled_reference=_CompiledInplace,
 )
 
 
