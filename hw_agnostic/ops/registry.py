@@ -4,7 +4,8 @@ An :class:`Op` is built from
 
 * ``reference``: a plain-PyTorch function. Its annotated signature becomes the schema of the
   custom op ``torch.ops.hw_agnostic.<name>``, its result defines correctness, and it is also the
-  fake implementation (run on fake tensors), so ops trace under ``torch.compile``.
+  fake implementation (run on fake tensors), so ops trace under ``torch.compile``; an op whose
+  output shapes depend on data passes its own ``fake``.
 * ``check``: checks the arguments, raising an error that names the bad one. It reads only
   metadata, so it also runs on fake tensors while ``torch.compile`` traces.
 * ``key``: the call's key for valid arguments, a hashable ``NamedTuple`` with at least
@@ -36,6 +37,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -142,6 +144,7 @@ class Op:
         mutates_args: Sequence[str] = (),
         example_inputs: Callable[..., tuple[Any, ...]] | None = None,
         compiled_reference: Callable[[str, Callable[..., Any]], Callable[..., Any]] | None = None,
+        fake: Callable[..., Any] | None = None,
     ) -> None:
         if name in _ops:
             raise ValueError(f"op {name!r} is already registered")
@@ -154,6 +157,8 @@ class Op:
         # What the reference provider runs when compiling is on: a factory given the op's name
         # and reference, called once per key (for ops whose reference Inductor cannot compile as is).
         self.compiled_reference = compiled_reference or CompiledReference
+        # The fake implementation: the reference itself unless its output shapes depend on data.
+        self.fake = fake or reference
         self.providers: tuple[Provider, ...] = (*providers, _reference_provider(self))
         self._plans: dict[Any, Plan] = {}
         self.torch_op = self._register_custom_op()
@@ -171,11 +176,11 @@ class Op:
         custom = torch.library.custom_op(
             f"hw_agnostic::{self.name}", implementation, mutates_args=self.mutates_args, schema=schema
         )
-        check, reference = self.check, self.reference
+        check, shapes = self.check, self.fake
 
         def fake(*args: Any) -> Any:
             check(*args)
-            return reference(*args)
+            return shapes(*args)
 
         custom.register_fake(fake)
         return getattr(torch.ops.hw_agnostic, self.name).default
@@ -303,7 +308,11 @@ class CompiledReference:
     def __init__(self, op_name: str, reference: Callable[..., Any]) -> None:
         self.op_name = op_name
         self.reference = reference
-        self.compiled: Callable[..., Any] | None = torch.compile(reference, dynamic=None, fullgraph=True)
+        # Dynamo keeps compiled code, and its recompile budget, on the code object: a copy per
+        # key keeps each key's specialisations from crowding out the others'.
+        private = types.FunctionType(reference.__code__.replace(), reference.__globals__, reference.__name__,
+                                     reference.__defaults__, reference.__closure__)
+        self.compiled: Callable[..., Any] | None = torch.compile(private, dynamic=None, fullgraph=True)
 
     def __call__(self, *args: Any) -> Any:
         if self.compiled is not None:

@@ -1,0 +1,66 @@
+"""Fused forwards for decoder layers whose residual layout was detected.
+
+Pre-norm (Llama, Mistral, Qwen, Phi-3, Gemma):  ``h + mlp(post_norm(h + attn(input_norm(h))))``
+runs the residual add and ``post_norm`` as one ``fused_add_rms_norm``. Sandwich-norm (Gemma 2/3)
+fuses the add after ``post_attention_norm`` with ``pre_mlp_norm``. Post-norm (OLMo-2) has no
+norm after its residual adds, so there is nothing to fuse. Attention is called with exactly the
+keywords the layer's own forward passes it (checked when the layout was detected), and the
+original forward still runs in training mode, where the layer's dropouts matter.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from torch import Tensor, nn
+
+from .detect import DecoderLayout
+
+FUSABLE = ("pre_norm", "sandwich")
+
+
+def install_fused_forward(layer: nn.Module, layout: DecoderLayout, signature_defaults: dict[str, Any]) -> None:
+    if layout.name not in FUSABLE:
+        raise ValueError(f"layout {layout.name!r} has no fused forward")
+    original = layer.forward
+    roles = dict(layout.roles)
+    named = layout.attention_params
+    hidden_param = layout.hidden_param
+    defaults = dict(signature_defaults)
+
+    def attention_kwargs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        passed = dict(defaults)
+        passed.update(zip(named, args))
+        passed.update(kwargs)
+        return passed
+
+    def split_hidden(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Tensor, tuple[Any, ...]]:
+        if hidden_param in kwargs:
+            return kwargs.pop(hidden_param), args
+        return args[0], args[1:]
+
+    if layout.name == "pre_norm":
+
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
+            if self.training:
+                return original(*args, **kwargs)
+            hidden, rest = split_hidden(args, kwargs)
+            h = getattr(self, roles["input_norm"])(hidden)
+            h = getattr(self, roles["attention"])(hidden_states=h, **attention_kwargs(rest, kwargs))[0]
+            h, residual = getattr(self, roles["post_attention_norm"])(h, hidden)
+            return residual + getattr(self, roles["mlp"])(h)
+
+    else:
+
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
+            if self.training:
+                return original(*args, **kwargs)
+            hidden, rest = split_hidden(args, kwargs)
+            h = getattr(self, roles["input_norm"])(hidden)
+            h = getattr(self, roles["attention"])(hidden_states=h, **attention_kwargs(rest, kwargs))[0]
+            h, residual = getattr(self, roles["pre_mlp_norm"])(getattr(self, roles["post_attention_norm"])(h), hidden)
+            return residual + getattr(self, roles["post_mlp_norm"])(getattr(self, roles["mlp"])(h))
+
+    layer.forward = types.MethodType(forward, layer)
+    layer._hw_agnostic_original_forward = original

@@ -1,0 +1,468 @@
+"""Structure detection: what a module computes, never what its class is called.
+
+* :func:`detect_rms_norm`: traces the module's forward (``make_fx`` on fake tensors) to find
+  ``rsqrt(mean(x²) + eps)`` over the last dimension and read ``eps``, then runs it against the
+  ``rms_norm`` reference of each numerics with random weights on small CPU tensors to find which
+  casts it makes. Works on modules whose parameters live on meta, CPU or GPU.
+* :func:`detect_gated_mlp`: traces the module's own forward (``torch.fx``, children as leaves)
+  and matches ``down(act(gate(x)) * up(x))``, or ``gate, up = gate_up(x).chunk(2)``; the
+  activation is identified by evaluating it.
+* :func:`detect_decoder_layout`: runs a decoder layer's own forward with its parameterised
+  children replaced by recording stand-ins, and compares the result with the known residual
+  layouts (pre-norm, sandwich-norm, post-norm) run on the same stand-ins.
+* :func:`detect_shared_inputs`: one forward of the whole model with hooks on its linears finds
+  the groups of linears that read the same tensor (q/k/v).
+
+Every detector returns a spec, or a :class:`NotDetected` saying why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import operator
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+
+from ..ops.rms_norm import NUMERICS, rms_norm_reference
+
+
+@dataclasses.dataclass(frozen=True)
+class NotDetected:
+    reason: str
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm
+
+
+@dataclasses.dataclass(frozen=True)
+class NormSpec:
+    hidden_size: int
+    eps: float
+    numerics: str
+    weight_name: str | None  # None: a norm without a scale
+    eps_attribute: str | None  # the instance attribute holding eps, if one does
+
+
+def looks_like_norm(module: nn.Module) -> bool:
+    """Worth reporting when not an RMSNorm: a leaf whose parameters are all 1-D (a norm's scale/bias)."""
+    params = list(module.parameters(recurse=False))
+    return not list(module.children()) and bool(params) and all(p.dim() == 1 for p in params)
+
+
+def detect_rms_norm(module: nn.Module) -> NormSpec | NotDetected | None:
+    """``None`` for modules that are no candidates at all (children, buffers, matrices)."""
+    if list(module.children()) or list(module.buffers(recurse=False)):
+        return None
+    params = dict(module.named_parameters(recurse=False))
+    if len(params) > 1 or any(p.dim() != 1 for p in params.values()):
+        if looks_like_norm(module):
+            return NotDetected(f"has parameters {sorted(params)}: not an RMS norm (a LayerNorm has a bias)")
+        return None
+    weight_name = next(iter(params), None)
+    hidden = params[weight_name].shape[0] if weight_name else 16
+    eps = _traced_eps(module, weight_name, hidden)
+    if isinstance(eps, NotDetected):
+        return eps if weight_name else None
+    numerics = _matching_numerics(module, weight_name, hidden, eps)
+    if isinstance(numerics, NotDetected):
+        return numerics
+    eps_attribute = next(
+        (name for name, value in vars(module).items() if isinstance(value, float) and value == eps), None
+    )
+    return NormSpec(hidden, eps, numerics, weight_name, eps_attribute)
+
+
+def _call_with(module: nn.Module, weight_name: str | None, x: Tensor, weight: Tensor | None) -> Any:
+    values = {weight_name: weight} if weight_name else {}
+    return torch.func.functional_call(module, values, (x,))
+
+
+def _traced_eps(module: nn.Module, weight_name: str | None, hidden: int) -> float | NotDetected:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def run(x: Tensor, weight: Tensor) -> Any:
+        return _call_with(module, weight_name, x, weight if weight_name else None)
+
+    try:
+        graph = make_fx(run, tracing_mode="fake")(torch.empty(2, 3, hidden), torch.empty(hidden)).graph
+    except Exception as err:
+        return NotDetected(f"forward cannot be traced on fake tensors ({type(err).__name__}: {err})")
+    aten = torch.ops.aten
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in (aten.rsqrt.default, aten.sqrt.default):
+            added = node.args[0]
+            if not (isinstance(added, fx.Node) and added.target in (aten.add.Tensor, aten.add.Scalar)):
+                continue
+            scalars = [a for a in added.args if isinstance(a, (int, float))]
+            tensors = [a for a in added.args if isinstance(a, fx.Node)]
+            if len(scalars) == 1 and len(tensors) == 1 and tensors[0].target is aten.mean.dim:
+                dims = tensors[0].args[1]
+                if list(dims) in ([-1], [2]):
+                    return float(scalars[0])
+    return NotDetected("computes no rsqrt(mean(x**2, -1) + eps)")
+
+
+def _matching_numerics(module: nn.Module, weight_name: str | None, hidden: int, eps: float) -> str | NotDetected:
+    g = torch.Generator().manual_seed(hidden)
+    weight32 = torch.randn(hidden, generator=g) if weight_name else None
+    probes = [torch.randn(3, hidden, generator=g) * 3, torch.randn(3, hidden, generator=g) * math.sqrt(eps) * 0.5]
+    low = (torch.randn(3, hidden, generator=g) * 2).to(torch.bfloat16)
+    weight_low = weight32.to(torch.bfloat16) if weight32 is not None else None
+    errors: dict[str, float] = {}
+    with torch.no_grad():
+        try:
+            theirs = [_call_with(module, weight_name, x, weight32) for x in probes]
+            theirs_low = _call_with(module, weight_name, low, weight_low)
+        except Exception as err:
+            return NotDetected(f"forward failed on a probe ({type(err).__name__}: {err})")
+        for numerics in NUMERICS if weight_name else ("llama",):
+            ours = [rms_norm_reference(x, weight32, eps, numerics) for x in probes]
+            if any(not isinstance(t, Tensor) or t.shape != o.shape or t.dtype != o.dtype for t, o in zip(theirs, ours)):
+                continue
+            if not all(torch.allclose(t, o, rtol=1e-6, atol=0) for t, o in zip(theirs, ours)):
+                continue
+            ours_low = rms_norm_reference(low, weight_low, eps, numerics)
+            if theirs_low.dtype != ours_low.dtype:
+                continue
+            errors[numerics] = (theirs_low.double() - ours_low.double()).abs().max().item()
+    if not errors:
+        return NotDetected("computes something other than an RMS norm with llama, fp32_scale or gemma numerics")
+    best = min(errors, key=errors.get)
+    if errors[best] != 0.0:
+        return NotDetected(f"closest to {best!r} numerics but bf16 results differ by up to {errors[best]:.3g}")
+    return best
+
+
+# --------------------------------------------------------------------------------------------
+# gated MLP
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPSpec:
+    gate: str | None  # child names; gate/up are None when gate_up holds both
+    up: str | None
+    gate_up: str | None
+    down: str
+    activation: str
+    hidden_size: int
+    intermediate_size: int
+    bias: bool
+    down_bias: bool
+
+
+class _ChildrenAsLeaves(fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return True
+
+
+_CANDIDATE_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+}
+
+
+def identify_activation(fn: Callable[[Tensor], Tensor]) -> str | None:
+    """Which supported activation ``fn`` computes (by evaluating it), if any."""
+    probe = torch.linspace(-6, 6, 97)
+    try:
+        with torch.no_grad():
+            out = fn(probe)
+    except Exception:
+        return None
+    for name, candidate in _CANDIDATE_ACTIVATIONS.items():
+        if isinstance(out, Tensor) and out.shape == probe.shape and torch.allclose(out, candidate(probe), atol=1e-6):
+            return name
+    return None
+
+
+def _linear_children(module: nn.Module) -> dict[str, nn.Linear]:
+    return {name: child for name, child in module.named_children() if isinstance(child, nn.Linear)}
+
+
+def looks_like_mlp(module: nn.Module) -> bool:
+    """Worth reporting when not a gated MLP: linears that widen the hidden size and narrow it back."""
+    linears = list(_linear_children(module).values())
+    if not 2 <= len(linears) <= 3:
+        return False
+    return any(
+        a.in_features == b.out_features and a.out_features in (b.in_features, 2 * b.in_features)
+        and b.in_features > b.out_features
+        for a in linears for b in linears if a is not b
+    )
+
+
+def detect_gated_mlp(module: nn.Module) -> MLPSpec | NotDetected | None:
+    linears = _linear_children(module)
+    if not (2 <= len(linears) <= 3):
+        return None
+    if any(list(c.parameters()) for c in module.children() if not isinstance(c, nn.Linear)):
+        return None
+    try:
+        graph = _ChildrenAsLeaves().trace(module)
+    except Exception as err:
+        return NotDetected(f"forward cannot be traced ({type(err).__name__}: {err})")
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    output = next(n for n in graph.nodes if n.op == "output")
+    if len(inputs) != 1 or not isinstance(output.args[0], fx.Node):
+        return NotDetected("takes or returns more than one tensor")
+    x, result = inputs[0], output.args[0]
+    down = _module_call(result)
+    if down not in linears:
+        return NotDetected("its output is not a linear projection")
+    product = result.args[0]
+    factors = _mul_operands(product)
+    if factors is None:
+        return NotDetected("the down projection's input is not a product (no gate): a plain MLP")
+    for act_node, up_node in (factors, factors[::-1]):
+        act = _activation_of(module, act_node)
+        if act is None:
+            continue
+        activation, gate_node = act
+        spec = _projections(module, linears, x, gate_node, up_node, down, activation)
+        if spec is not None:
+            return spec
+    return NotDetected("computes a product of projections, but not act(gate(x)) * up(x)")
+
+
+def _module_call(node: Any) -> str | None:
+    return node.target if isinstance(node, fx.Node) and node.op == "call_module" else None
+
+
+def _mul_operands(node: Any) -> tuple[fx.Node, fx.Node] | None:
+    if not isinstance(node, fx.Node):
+        return None
+    is_mul = (node.op == "call_function" and node.target in (operator.mul, torch.mul)) or (
+        node.op == "call_method" and node.target == "mul"
+    )
+    if is_mul and len(node.args) == 2 and all(isinstance(a, fx.Node) for a in node.args):
+        return node.args[0], node.args[1]
+    return None
+
+
+def _activation_of(module: nn.Module, node: fx.Node) -> tuple[str, fx.Node] | None:
+    if node.op == "call_module":
+        fn = module.get_submodule(node.target)
+    elif node.op == "call_function":
+        fn = node.target
+    else:
+        return None
+    if len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], fx.Node):
+        return None
+    name = identify_activation(fn)
+    return (name, node.args[0]) if name else None
+
+
+def _projections(
+    module: nn.Module, linears: dict[str, nn.Linear], x: fx.Node, gate: fx.Node, up: fx.Node, down: str,
+    activation: str,
+) -> MLPSpec | None:
+    down_linear = linears[down]
+    gate_name, up_name = _module_call(gate), _module_call(up)
+    if gate_name in linears and up_name in linears and gate.args == (x,) and up.args == (x,) and gate_name != up_name:
+        g, u = linears[gate_name], linears[up_name]
+        if g.weight.shape != u.weight.shape or (g.bias is None) != (u.bias is None):
+            return None
+        if down_linear.in_features != g.out_features or down_linear.out_features != g.in_features:
+            return None
+        return MLPSpec(gate_name, up_name, None, down, activation, g.in_features, g.out_features,
+                       g.bias is not None, down_linear.bias is not None)
+    merged = _chunk_source(gate, up)
+    if merged is not None and merged.args == (x,):
+        name = _module_call(merged)
+        m = linears.get(name)
+        if m is None or m.out_features % 2 or down_linear.in_features != m.out_features // 2:
+            return None
+        return MLPSpec(None, None, name, down, activation, m.in_features, m.out_features // 2,
+                       m.bias is not None, down_linear.bias is not None)
+    return None
+
+
+def _chunk_source(gate: fx.Node, up: fx.Node) -> fx.Node | None:
+    """The node both are halves of (``gate, up = t.chunk(2, dim=-1)``, gate first), if any."""
+    if not all(n.op == "call_function" and n.target is operator.getitem for n in (gate, up)):
+        return None
+    (gate_src, gate_index), (up_src, up_index) = gate.args, up.args
+    if gate_src is not up_src or (gate_index, up_index) != (0, 1) or not isinstance(gate_src, fx.Node):
+        return None
+    chunk = gate_src
+    is_chunk = (chunk.op == "call_method" and chunk.target == "chunk") or (
+        chunk.op == "call_function" and chunk.target is torch.chunk
+    )
+    if not is_chunk:
+        return None
+    chunks = chunk.args[1] if len(chunk.args) > 1 else chunk.kwargs.get("chunks")
+    dim = chunk.args[2] if len(chunk.args) > 2 else chunk.kwargs.get("dim", 0)
+    return chunk.args[0] if chunks == 2 and dim == -1 else None
+
+
+# --------------------------------------------------------------------------------------------
+# decoder layouts
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderLayout:
+    """How a decoder layer wires norms, attention and MLP around its residual stream."""
+
+    name: str  # "pre_norm", "sandwich" or "post_norm"
+    roles: dict[str, str]  # role -> child name
+    hidden_param: str  # the forward's hidden-states parameter
+    attention_params: tuple[str, ...]  # forward parameters passed on to attention as keywords
+    var_keyword: str | None
+
+
+LAYOUTS: dict[str, tuple[str, ...]] = {
+    "pre_norm": ("input_norm", "attention", "post_attention_norm", "mlp"),
+    "sandwich": ("input_norm", "attention", "post_attention_norm", "pre_mlp_norm", "mlp", "post_mlp_norm"),
+    "post_norm": ("attention", "post_attention_norm", "mlp", "post_mlp_norm"),
+}
+
+
+def run_layout(name: str, modules: dict[str, Callable[..., Any]], hidden: Tensor, attention_kwargs: dict) -> Tensor:
+    """The residual computation of a layout (``modules`` by role): the spec fused forwards match."""
+    def attend(h: Tensor) -> Tensor:
+        return modules["attention"](hidden_states=h, **attention_kwargs)[0]
+
+    if name == "pre_norm":
+        hidden = hidden + attend(modules["input_norm"](hidden))
+        return hidden + modules["mlp"](modules["post_attention_norm"](hidden))
+    if name == "sandwich":
+        hidden = hidden + modules["post_attention_norm"](attend(modules["input_norm"](hidden)))
+        return hidden + modules["post_mlp_norm"](modules["mlp"](modules["pre_mlp_norm"](hidden)))
+    hidden = hidden + modules["post_attention_norm"](attend(hidden))
+    return hidden + modules["post_mlp_norm"](modules["mlp"](hidden))
+
+
+class _StandIn(nn.Module):
+    """Replaces one child during a probe: a fixed nonlinear map, recording how it was called."""
+
+    def __init__(self, name: str, hidden: int, is_norm: bool, calls: list, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.name, self.is_norm, self.calls = name, is_norm, calls
+        self.scale = torch.randn(hidden, generator=g, dtype=torch.float64)
+        self.mix = torch.randn(hidden, hidden, generator=g, dtype=torch.float64) / math.sqrt(hidden)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        x = args[0] if args else kwargs.get("hidden_states")
+        self.calls.append((self.name, len(args), {k: v for k, v in kwargs.items() if k != "hidden_states"}))
+        if self.is_norm:
+            return torch.tanh(x * self.scale + 0.1)
+        out = torch.sin(x @ self.mix)
+        attention_like = "hidden_states" in kwargs or len(kwargs) > 0
+        return (out, None) if attention_like else out
+
+
+def looks_like_decoder_layer(layer: nn.Module, norms: set[str]) -> bool:
+    """Norms beside at least two composite modules (attention, MLP): not a whole model, not an attention."""
+    composite = [
+        child for name, child in layer.named_children()
+        if name not in norms and not isinstance(child, (nn.Linear, nn.Embedding, nn.ModuleList, nn.ModuleDict))
+        and any(True for _ in child.parameters())
+    ]
+    return bool(norms) and len(composite) >= 2
+
+
+def detect_decoder_layout(layer: nn.Module, norms: set[str], hidden_size: int) -> DecoderLayout | NotDetected:
+    """Which residual layout ``layer``'s forward implements, by running it on stand-ins."""
+    parameterised = [name for name, child in layer.named_children() if any(True for _ in child.parameters())]
+    if not norms or not parameterised:
+        return NotDetected("no norms among its children")
+    signature = inspect.signature(type(layer).forward)
+    params = list(signature.parameters.values())[1:]
+    if not params:
+        return NotDetected("its forward takes no arguments")
+    hidden_param = params[0].name
+    var_keyword = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
+    named = tuple(p.name for p in params[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    calls: list = []
+    stand_ins = {
+        name: _StandIn(name, hidden_size, name in norms, calls, seed=i)
+        for i, name in enumerate(parameterised)
+    }
+    originals = {name: getattr(layer, name) for name in parameterised}
+    hidden = torch.randn(3, 5, hidden_size, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    try:
+        for name, stand_in in stand_ins.items():
+            setattr(layer, name, stand_in)
+        with torch.no_grad():
+            try:
+                expected = layer(hidden)
+            except Exception as err:
+                return NotDetected(f"its forward fails on stand-ins ({type(err).__name__}: {err})")
+        order = [name for name, _, _ in calls]
+        kinds = ["norm" if name in norms else "module" for name in order]
+        layout = _match_layout(kinds)
+        if layout is None:
+            return NotDetected(f"calls its children in an unrecognised order: {order}")
+        roles = dict(zip(LAYOUTS[layout], order))
+        attention_call = calls[order.index(roles["attention"])]
+        mlp_call = calls[order.index(roles["mlp"])]
+        if mlp_call[1] != 1 or mlp_call[2]:
+            return NotDetected("its MLP is called with more than the hidden states")
+        defaults = {p.name: p.default for p in params[1:] if p.name in named}
+        if attention_call[2] != {k: v for k, v in defaults.items()}:
+            return NotDetected("passes attention arguments other than its own (see the layer's forward)")
+        calls.clear()
+        with torch.no_grad():
+            got = run_layout(layout, {role: stand_ins[name] for role, name in roles.items()}, hidden, defaults)
+        if not (isinstance(expected, Tensor) and expected.shape == got.shape and torch.allclose(expected, got, rtol=1e-12, atol=1e-12)):
+            return NotDetected(f"calls its children like a {layout} layer but combines them differently "
+                               "(e.g. a scaled residual)")
+        return DecoderLayout(layout, roles, hidden_param, named, var_keyword)
+    finally:
+        for name, original in originals.items():
+            setattr(layer, name, original)
+
+
+def _match_layout(kinds: list[str]) -> str | None:
+    for name, roles in LAYOUTS.items():
+        expected = ["norm" if role.endswith("norm") else "module" for role in roles]
+        if kinds == expected:
+            return name
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# linears reading one input
+
+
+def detect_shared_inputs(model: nn.Module, run: Callable[[], Any]) -> list[tuple[str, list[str]]]:
+    """Groups of sibling linears that read the same tensor during ``run()``: ``[(parent, [names])]``.
+
+    Groups are listed in the order their members are called in.
+    """
+    seen: dict[tuple[str, int], list[str]] = defaultdict(list)
+    keep_alive: list[Tensor] = []  # ids stay unique only while the tensors live
+    handles = []
+    for path, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            parent, _, name = path.rpartition(".")
+
+            def record(mod: nn.Module, args: tuple, parent: str = parent, name: str = name) -> None:
+                if args and isinstance(args[0], Tensor):
+                    keep_alive.append(args[0])
+                    if name not in seen[(parent, id(args[0]))]:
+                        seen[(parent, id(args[0]))].append(name)
+
+            handles.append(module.register_forward_pre_hook(record))
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    groups, reported = [], set()
+    for (parent, _), names in seen.items():
+        if len(names) > 1 and (parent, tuple(names)) not in reported:
+            reported.add((parent, tuple(names)))
+            groups.append((parent, names))
+    return groups

@@ -1,0 +1,68 @@
+"""What a rewire did: replaced modules, fused decoder layers, and what was left and why."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import defaultdict
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    kind: str  # "replaced", "fused" or "left"
+    path: str
+    original: str  # class of the module found there
+    result: str  # class it was replaced by, the fused layout, or "" when left
+    detail: str  # what was read from the instance, or why it was left
+
+
+@dataclasses.dataclass
+class RewireReport:
+    entries: list[Entry] = dataclasses.field(default_factory=list)
+
+    def add(self, kind: str, path: str, module: Any, result: str = "", detail: str = "") -> None:
+        self.entries.append(Entry(kind, path, type(module).__name__, result, detail))
+
+    @property
+    def replaced(self) -> list[Entry]:
+        return [e for e in self.entries if e.kind == "replaced"]
+
+    @property
+    def fused(self) -> list[Entry]:
+        return [e for e in self.entries if e.kind == "fused"]
+
+    @property
+    def left(self) -> list[Entry]:
+        return [e for e in self.entries if e.kind == "left"]
+
+    def count(self, result: str) -> int:
+        """How many modules were replaced by (or fused as) ``result``."""
+        return sum(1 for e in self.entries if e.kind != "left" and e.result == result)
+
+    def as_rows(self) -> list[dict[str, str]]:
+        return [dataclasses.asdict(e) for e in self.entries]
+
+    def table(self) -> str:
+        """The entries as a text table, identical rows of numbered layers folded together."""
+        grouped: dict[tuple[str, str, str, str, str], list[str]] = defaultdict(list)
+        for e in self.entries:
+            pattern = re.sub(r"\.(\d+)\.", ".{i}.", e.path)
+            grouped[(e.kind, pattern, e.original, e.result, e.detail)].append(e.path)
+        rows = []
+        for (kind, pattern, original, result, detail), paths in grouped.items():
+            where = paths[0] if len(paths) == 1 else f"{pattern} (x{len(paths)})"
+            rows.append((kind, where, original, result or "-", detail))
+        headers = ("", "module", "was", "now", "detail")
+        widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(5)]
+        widths[4] = min(widths[4], 90)
+
+        def line(values: tuple) -> str:
+            return "  ".join(str(v)[:widths[i]].ljust(widths[i]) for i, v in enumerate(values)).rstrip()
+
+        summary = (f"{len(self.replaced)} replaced, {len(self.fused)} decoder layers fused, "
+                   f"{len(self.left)} left as they were")
+        return "\n".join([summary, line(headers), line(tuple("-" * w for w in widths)), *map(line, rows)])
+
+    def __str__(self) -> str:
+        return self.table()

@@ -1,0 +1,29 @@
+"""Layers built from ops, and the registry through which plugins replace them.
+
+``CustomOp`` layers run one op (``forward``) or its reference (``forward_native``);
+``PluggableLayer`` layers compose modules. See :mod:`.base` for registering out-of-tree
+replacements.
+"""
+
+from .activation import GeluAndMul, SiluAndMul, SwigluOai, act_and_mul
+from .base import CustomOp, LayerRegistryError, PluggableLayer, registered_layers, resolve, unregister_oot
+from .mlp import GatedMLP
+from .norm import RMSNorm
+from .qkv import QKVPart, QKVProjection
+
+__all__ = [
+    "CustomOp",
+    "GatedMLP",
+    "GeluAndMul",
+    "LayerRegistryError",
+    "PluggableLayer",
+    "QKVPart",
+    "QKVProjection",
+    "RMSNorm",
+    "SiluAndMul",
+    "SwigluOai",
+    "act_and_mul",
+    "registered_layers",
+    "resolve",
+    "unregister_oot",
+]
