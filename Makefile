@@ -32,6 +32,9 @@ test-helion-interpret: $(VENV)/.installed-test
 bench: $(VENV)/.installed-bench
 	$(PY) -m bench --device $(DEVICE)
 
+demo: $(VENV)/.installed-test
+	$(PY) -m hw_agnostic demo $(DEMO_ARGS)
+
 autotune: $(VENV)/.installed-bench
 	$(PY) -m hw_agnostic.autotune --device $(DEVICE) --ops $(OPS) --out hw_agnostic/autotune_cache
 

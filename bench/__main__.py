@@ -22,7 +22,7 @@ from hw_agnostic.autotune.platform import DeviceMismatch, device_name, resolve_d
 from . import report
 from .timing import copy_bandwidth_gbps, matmul_tflops
 
-SUITES = {"ops": "bench.ops_suite"}
+SUITES = {"ops": "bench.ops_suite", "model": "bench.model_suite"}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -66,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         rows += list(module.run(device, quick=args.quick, log=log))
     context = {"platform": platform, "device_name": device_name(device), "copy_gbps": copy_gbps,
                "matmul_tflops": matmul, **_versions()}
-    frame = report.add_ratios(pd.DataFrame(rows).assign(**context))
+    frame = pd.DataFrame(rows)
+    for column, value in context.items():  # a suite may bring its own ceiling (e.g. fp32 matmul rate)
+        frame[column] = frame[column].fillna(value) if column in frame else value
+    frame = report.add_ratios(frame)
     frame.to_csv(out / "results.csv", index=False)
     command = "make bench DEVICE=" + args.device + (" (--quick)" if args.quick else "")
     header = (f"# hw_agnostic bench: {platform}\n\n`{command}` on {device_name(device)}; "

@@ -13,6 +13,8 @@ def add_ratios(frame: pd.DataFrame) -> pd.DataFrame:
     """Speed-up of hw_agnostic over each baseline in the same (op, shape, dtype) group."""
     frame = frame.copy()
     frame["bw_fraction"] = frame["gbps"] / frame["copy_gbps"]
+    if "tflops" in frame:
+        frame["matmul_fraction"] = frame["tflops"] / frame["matmul_tflops"]
     ours = frame[frame["provider"] == "hw_agnostic"].set_index(["suite", "op", "shape", "dtype"])["time_us"]
     for baseline in BASELINES:
         theirs = frame[frame["provider"] == baseline].set_index(["suite", "op", "shape", "dtype"])["time_us"]
@@ -31,8 +33,12 @@ def markdown(frame: pd.DataFrame, header: str) -> str:
         table = wide[columns].rename(columns=lambda c: f"{c} µs")
         info = ours.set_index(["tokens", "width", "dtype"])
         table["ran"] = info["ran"]
-        table["GB/s"] = info["gbps"].round(1)
-        table["of copy BW"] = (info["bw_fraction"] * 100).round(1).astype(str) + "%"
+        if info["gbps"].notna().any():
+            table["GB/s"] = info["gbps"].round(1)
+            table["of copy BW"] = (info["bw_fraction"] * 100).round(1).astype(str) + "%"
+        if "tflops" in info and info["tflops"].notna().any():
+            table["TFLOP/s"] = info["tflops"].round(3)
+            table["of matmul rate"] = (info["matmul_fraction"] * 100).round(1).astype(str) + "%"
         for baseline in BASELINES:
             column = f"speedup_vs_{baseline}"
             if column in info and info[column].notna().any():

@@ -22,17 +22,22 @@ def median_time_us(fn: Callable[[], Any], device: torch.device, *, min_time_s: f
     """Median wall time of ``fn`` in microseconds, after warm-up.
 
     GPUs: ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs, median). CPU: at
-    least 5 runs and ``min_time_s`` of them, after two warm-up runs.
+    least 5 runs and ``min_time_s`` of them, after two warm-up runs (one warm-up and 3 runs when
+    a call takes over a second).
     """
     if device.type != "cpu":
         import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")) * 1e3
-    for _ in range(2):
+    start = time.perf_counter()
+    fn()
+    slow = time.perf_counter() - start > 1.0  # seconds per call: fewer runs tell as much
+    if not slow:
         fn()
     samples: list[float] = []
     spent = 0.0
-    while (len(samples) < 5 or spent < min_time_s) and len(samples) < max_runs:
+    min_runs = 3 if slow else 5
+    while (len(samples) < min_runs or spent < min_time_s) and len(samples) < max_runs:
         start = time.perf_counter()
         fn()
         elapsed = time.perf_counter() - start
@@ -61,7 +66,7 @@ def copy_bandwidth_gbps(device: torch.device, megabytes: int = 512) -> float:
 
 def matmul_tflops(device: torch.device, size: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
     """Same-run dense matmul rate, the ceiling for compute-bound ops."""
-    size = size if device.type != "cpu" else 1024
+    size = size if device.type != "cpu" else 2048
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     us = median_time_us(lambda: a @ b, device, min_time_s=1.0)

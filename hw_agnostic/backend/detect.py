@@ -19,6 +19,7 @@ Every detector returns a spec, or a :class:`NotDetected` saying why.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import operator
@@ -255,9 +256,11 @@ def _activation_of(module: nn.Module, node: fx.Node) -> tuple[str, fx.Node] | No
         fn = node.target
     else:
         return None
-    if len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], fx.Node):
+    if len(node.args) != 1 or not isinstance(node.args[0], fx.Node):
         return None
-    name = identify_activation(fn)
+    if any(isinstance(v, fx.Node) for v in node.kwargs.values()):
+        return None
+    name = identify_activation(functools.partial(fn, **node.kwargs) if node.kwargs else fn)
     return (name, node.args[0]) if name else None
 
 

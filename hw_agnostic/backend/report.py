@@ -21,8 +21,10 @@ class Entry:
 class RewireReport:
     entries: list[Entry] = dataclasses.field(default_factory=list)
 
-    def add(self, kind: str, path: str, module: Any, result: str = "", detail: str = "") -> None:
-        self.entries.append(Entry(kind, path, type(module).__name__, result, detail))
+    def add(self, kind: str, path: str, original: Any, result: str = "", detail: str = "") -> None:
+        """``original``: the module found at ``path``, or its class."""
+        cls = original if isinstance(original, type) else type(original)
+        self.entries.append(Entry(kind, path, cls.__name__, result, detail))
 
     @property
     def replaced(self) -> list[Entry]:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers import GatedMLP, QKVProjection, RMSNorm, resolve
+from ..layers import CustomOp, PluggableLayer, QKVProjection, RMSNorm, resolve
 from ..tolerances import mismatch
 from .decoder import FUSABLE, install_fused_forward
 from .detect import (
@@ -89,8 +89,8 @@ def rewire(
 
 
 def _replacement(path: str, module: nn.Module, report: RewireReport, verify: bool) -> nn.Module | None:
-    if isinstance(module, (RMSNorm, GatedMLP, QKVProjection)):
-        return None
+    if isinstance(module, (CustomOp, PluggableLayer)):
+        return None  # ours already (or a plugin's)
     norm = detect_rms_norm(module)
     if isinstance(norm, NormSpec):
         return _checked(path, module, build_norm(module, norm), report, verify, _describe_norm(norm))
@@ -193,7 +193,7 @@ def _merge_qkv(model: nn.Module, report: RewireReport, probe: Callable[[], Any],
     for parent_path, names in groups:
         parent = model.get_submodule(parent_path)
         linears = [getattr(parent, n) for n in names]
-        path = f"{parent_path}.{'/'.join(names)}"
+        path = f"{parent_path}.{{{','.join(names)}}}"
         if len(names) != 3 or not all(isinstance(l, nn.Linear) for l in linears):
             continue
         if len({l.in_features for l in linears}) != 1 or len({l.bias is None for l in linears}) != 1:
@@ -215,7 +215,7 @@ def _merge_qkv(model: nn.Module, report: RewireReport, probe: Callable[[], Any],
         for name, part in zip(names, merged.parts()):
             setattr(parent, name, part)
         report.add("replaced", path, linears[0], type(merged).__name__,
-                   f"{'+'.join(names)} -> {parent_path}.qkv_proj, sizes {merged.sizes}")
+                   f"{'+'.join(names)} -> qkv_proj, sizes {merged.sizes}")
 
 
 def _build_qkv(linears: list[nn.Linear]) -> nn.Module:

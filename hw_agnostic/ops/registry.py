@@ -42,6 +42,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from ..autotune import cache as config_cache
 from ..autotune.keys import make_key
@@ -188,9 +190,14 @@ class Op:
     # -- dispatch -------------------------------------------------------------------------------
 
     def __call__(self, *args: Any) -> Any:
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and _requires_grad(args)):
-            # Traced graphs see the custom op; autograd sees an op without a derivative, which
-            # raises a clear error on backward instead of silently returning no gradient.
+        if (
+            torch.compiler.is_compiling()
+            or is_fx_symbolic_tracing()
+            or isinstance(args[0], FakeTensor)
+            or (torch.is_grad_enabled() and _requires_grad(args))
+        ):
+            # Traced graphs (dynamo, fx, make_fx) see the custom op; autograd sees an op without a
+            # derivative, which raises a clear error on backward instead of returning no gradient.
             return self.torch_op(*args)
         return self.dispatch(*args)
 

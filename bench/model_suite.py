@@ -1,0 +1,83 @@
+"""Model rows: a prefill and one decode step of a rewired model vs HF eager and ``torch.compile(HF)``.
+
+The model has Llama-3-8B's widths (hidden 4096, intermediate 14336, 32 heads, 8 KV heads) and
+2 decoder layers with random weights; on the CPU its vocabulary is cut to 32000 so the LM head
+does not dominate. Prefill: 1 sequence of 512 tokens. Decode: one token for each of 8
+sequences holding 128 tokens of context (the cache is cropped back after every step).
+TFLOP/s count the linear layers' ``2 * params * tokens``; the ratio is to the same-run matmul rate.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from hw_agnostic import rewire
+
+from .timing import first_call_s, matmul_tflops, median_time_us
+
+LLAMA3_8B_WIDTHS = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                        num_hidden_layers=2, max_position_embeddings=4096, rope_theta=500000.0)
+
+
+def _config(device: torch.device) -> Any:
+    vocab = 128256 if device.type != "cpu" else 32000
+    return AutoConfig.for_model("llama", vocab_size=vocab, **LLAMA3_8B_WIDTHS)
+
+
+def _linear_params(model: torch.nn.Module) -> int:
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def run(device: torch.device, *, quick: bool, log: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+    dtype = torch.bfloat16 if device.type != "cpu" else torch.float32  # CPU bf16 matmuls are slower than fp32
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(_config(device), dtype=dtype).to(device).eval()
+    ours = copy.deepcopy(hf)
+    report = rewire(ours)
+    log(f"model suite: rewired {len(report.replaced)} modules, fused {len(report.fused)} layers")
+    models = {"hw_agnostic": ours, "hf_eager": hf, "hf_compile": torch.compile(hf, dynamic=None)}
+    params = _linear_params(hf)
+    ceiling = matmul_tflops(device, dtype=dtype)  # in the dtype the model runs in
+    vocab = hf.config.vocab_size
+    generator = torch.Generator().manual_seed(1)
+    prefill_ids = torch.randint(0, vocab, (1, 512), generator=generator).to(device)
+    context_ids = torch.randint(0, vocab, (8, 128), generator=generator).to(device)
+    step_ids = torch.randint(0, vocab, (8, 1), generator=generator).to(device)
+
+    for provider, model in models.items():
+        with torch.inference_mode():
+            def prefill(model: Any = model) -> Any:
+                return model(prefill_ids, use_cache=False).logits
+
+            log(f"model prefill 1x512 {provider}")
+            first = first_call_s(prefill, device)
+            us = median_time_us(prefill, device, min_time_s=1.0 if not quick else 0.2)
+            yield _row("prefill 1x512", 512, provider, us, first, params, dtype, ceiling)
+
+            cache = DynamicCache(config=hf.config)
+            model(context_ids, past_key_values=cache, use_cache=True)
+
+            def decode(model: Any = model, cache: DynamicCache = cache) -> Any:
+                out = model(step_ids, past_key_values=cache, use_cache=True).logits
+                cache.crop(-1)  # back to the 128 context tokens
+                return out
+
+            log(f"model decode b8 ctx128 {provider}")
+            first = first_call_s(decode, device)
+            us = median_time_us(decode, device, min_time_s=1.0 if not quick else 0.2)
+            yield _row("decode b8 ctx128", 8, provider, us, first, params, dtype, ceiling)
+
+
+def _row(op: str, tokens: int, provider: str, us: float, first: float, params: int, dtype: torch.dtype,
+         ceiling: float) -> dict:
+    return {
+        "suite": "model", "op": op, "shape": op.split()[-1], "tokens": tokens, "width": LLAMA3_8B_WIDTHS["hidden_size"],
+        "dtype": str(dtype).removeprefix("torch."), "provider": provider, "ran": provider, "config_source": "",
+        "time_us": us, "first_call_s": first, "bytes": 0, "gbps": float("nan"),
+        "tflops": 2 * params * tokens / (us * 1e-6) / 1e12, "matmul_tflops": ceiling,
+    }

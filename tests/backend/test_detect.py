@@ -1,0 +1,168 @@
+"""Structure detection on hand-written modules: what counts, what does not, and why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hw_agnostic.backend.detect import (
+    DecoderLayout,
+    MLPSpec,
+    NormSpec,
+    NotDetected,
+    detect_decoder_layout,
+    detect_gated_mlp,
+    detect_rms_norm,
+    identify_activation,
+)
+
+
+class ScaleFirstNorm(nn.Module):
+    """An RMS norm with unusual names: parameter ``scale``, eps kept as ``tiny``."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(n))
+        self.tiny = 3e-5
+
+    def forward(self, x):
+        xf = x.float()
+        return (self.scale.float() * (xf / torch.sqrt((xf * xf).mean(-1, keepdim=True) + self.tiny))).to(x.dtype)
+
+
+class NoWeightNorm(nn.Module):
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+class MeanCentered(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        x = x - x.mean(-1, keepdim=True)
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def test_an_rms_norm_is_found_by_what_it_computes():
+    spec = detect_rms_norm(ScaleFirstNorm(24))
+    assert spec == NormSpec(24, 3e-5, "fp32_scale", "scale", "tiny")
+    assert detect_rms_norm(NoWeightNorm()) == NormSpec(16, 1e-6, "llama", None, None)
+
+
+def test_hf_norms_detected_on_meta():
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    with torch.device("meta"):
+        llama, gemma = LlamaRMSNorm(32, eps=1e-5), GemmaRMSNorm(32, eps=1e-6)
+    assert detect_rms_norm(llama) == NormSpec(32, 1e-5, "llama", "weight", "variance_epsilon")
+    assert detect_rms_norm(gemma) == NormSpec(32, 1e-6, "gemma", "weight", "eps")
+
+
+def test_other_norms_are_named_with_a_reason():
+    assert "has a bias" in detect_rms_norm(nn.LayerNorm(8)).reason
+    assert isinstance(detect_rms_norm(nn.LayerNorm(8, bias=False)), NotDetected)
+    assert isinstance(detect_rms_norm(MeanCentered(8)), NotDetected)
+    assert detect_rms_norm(nn.Linear(4, 4)) is None and detect_rms_norm(nn.Dropout()) is None
+
+
+class SplitMLP(nn.Module):
+    def __init__(self, act: str) -> None:
+        super().__init__()
+        self.w_in, self.w_gate, self.w_out = nn.Linear(8, 20), nn.Linear(8, 20), nn.Linear(20, 8)
+        self.act = {"silu": nn.SiLU(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU("tanh")}[act]
+
+    def forward(self, x):
+        return self.w_out(self.w_in(x) * self.act(self.w_gate(x)))
+
+
+class MergedMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = nn.Linear(8, 40, bias=False)
+        self.out = nn.Linear(20, 8, bias=False)
+
+    def forward(self, x):
+        gate, up = self.fused(x).chunk(2, dim=-1)
+        return self.out(F.silu(gate) * up)
+
+
+class PlainMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+def test_gated_mlps_are_found_whatever_their_names(act):
+    spec = detect_gated_mlp(SplitMLP(act))
+    assert spec == MLPSpec("w_gate", "w_in", None, "w_out", act, 8, 20, True, True)
+
+
+def test_merged_gate_up_is_found():
+    assert detect_gated_mlp(MergedMLP()) == MLPSpec(None, None, "fused", "out", "silu", 8, 20, False, False)
+
+
+def test_plain_mlp_is_not_gated():
+    assert "no gate" in detect_gated_mlp(PlainMLP()).reason
+
+
+def test_activations_are_identified_by_value():
+    assert identify_activation(F.silu) == "silu"
+    assert identify_activation(nn.GELU("tanh")) == "gelu_tanh"
+    assert identify_activation(torch.relu) is None
+
+
+class Layer(nn.Module):
+    """A decoder layer whose residual arithmetic is chosen per test."""
+
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        self.style = style
+        self.norm_a, self.norm_b = NoWeightNormWithParam(8), NoWeightNormWithParam(8)
+        self.attn, self.ffn = Attention(), SplitMLP("silu")
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        residual = hidden_states
+        h, _ = self.attn(hidden_states=self.norm_a(hidden_states), attention_mask=attention_mask, **kwargs)
+        h = residual + (h * 0.5 if self.style == "scaled" else h)
+        return h + self.ffn(self.norm_b(h))
+
+
+class NoWeightNormWithParam(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        return self.proj(hidden_states), None
+
+
+def test_decoder_layouts_are_found_by_running_the_layer():
+    layout = detect_decoder_layout(Layer("plain"), {"norm_a", "norm_b"}, 8)
+    assert isinstance(layout, DecoderLayout) and layout.name == "pre_norm"
+    assert layout.roles == {"input_norm": "norm_a", "attention": "attn", "post_attention_norm": "norm_b",
+                            "mlp": "ffn"}
+    assert layout.attention_params == ("attention_mask",)
+
+
+def test_a_different_residual_is_not_mistaken_for_pre_norm():
+    found = detect_decoder_layout(Layer("scaled"), {"norm_a", "norm_b"}, 8)
+    assert isinstance(found, NotDetected) and "combines them differently" in found.reason

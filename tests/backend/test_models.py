@@ -1,0 +1,136 @@
+"""rewire() on tiny Hugging Face models: same logits, same tokens, and the replacements happened."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from hw_agnostic import ops, rewire
+from hw_agnostic.layers import GatedMLP, QKVProjection, RMSNorm
+from hw_agnostic.tolerances import assert_close
+from tests.backend.models import EXPECTED, FAMILIES, build, prompt
+from tests.conftest import kernel_device
+from tests.harness import dsl_providers
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def _assert_rewired(model, report, family: str) -> None:
+    norms, mlps, qkv, layout = EXPECTED[family]
+    assert sum(isinstance(m, RMSNorm) for m in model.modules()) == norms
+    assert sum(isinstance(m, GatedMLP) for m in model.modules()) == mlps
+    assert sum(isinstance(m, QKVProjection) for m in model.modules()) == qkv
+    assert report.count("RMSNorm") == norms and report.count("GatedMLP") == mlps
+    if layout:
+        assert report.count(layout) == 2, report.table()
+    else:
+        assert not report.fused
+        assert all("post_norm layout" in e.detail for e in report.left if e.original.endswith("DecoderLayer"))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fp32_logits_and_greedy_tokens_match_hf(family):
+    model = build(family)
+    reference = copy.deepcopy(model)
+    ids = prompt()
+    report = rewire(model)
+    _assert_rewired(model, report, family)
+    with torch.no_grad(), ops.trace_dispatch() as ran:
+        got = model(ids).logits
+    want = reference(ids).logits.detach()
+    assert _relative(got, want) <= 1e-5
+    assert {"rms_norm", "silu_and_mul", "gelu_and_mul"} & {p.op for p in ran}
+    with torch.no_grad():
+        tokens = model.generate(ids[:1], max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        expected = reference.generate(ids[:1], max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    assert torch.equal(tokens, expected)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "olmo2", "phi3"])
+def test_bf16_logits_within_the_tolerance_table(family):
+    model = build(family, dtype=torch.bfloat16)
+    reference = copy.deepcopy(model)
+    rewire(model)
+    ids = prompt()
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    # Logits carry the rounding of every layer: compare norm-wise, at the bf16 table's rtol.
+    assert _relative(got, want) <= 2e-2
+
+
+def test_a_scaled_residual_is_not_fused_and_stays_correct():
+    """Granite with residual_multiplier != 1 adds ``residual + h * m``: no fusion, same results."""
+    model = build("granite", residual_multiplier=0.5)
+    reference = copy.deepcopy(model)
+    report = rewire(model)
+    assert not report.fused
+    assert any("combines them differently" in e.detail for e in report.left)
+    ids = prompt()
+    with torch.no_grad():
+        assert _relative(model(ids).logits, reference(ids).logits) <= 1e-5
+
+
+def test_layernorm_and_plain_mlp_models_are_left_correct():
+    """OPT: LayerNorms and fc1 -> relu -> fc2 MLPs are listed with reasons and nothing breaks."""
+    config = AutoConfig.for_model("opt", vocab_size=256, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                  num_attention_heads=4, word_embed_proj_dim=64, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    reference = copy.deepcopy(model)
+    report = rewire(model)
+    assert not any(isinstance(m, (RMSNorm, GatedMLP)) for m in model.modules())
+    reasons = " ".join(e.detail for e in report.left)
+    assert "LayerNorm has a bias" in reasons
+    ids = prompt()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits) or _relative(
+            model(ids).logits, reference(ids).logits) <= 1e-6
+
+
+def test_report_prints_as_a_table(capsys):
+    rewire(build("llama"), verbose=True)
+    printed = capsys.readouterr().out
+    assert "replaced" in printed and "model.layers.{i}.mlp (x2)" in printed and "fused" in printed
+
+
+def test_rewire_twice_changes_nothing_more():
+    model = build("llama")
+    rewire(model)
+    again = rewire(model)
+    assert not again.replaced and not again.fused
+
+
+def test_torch_compile_fullgraph_of_a_rewired_model():
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    rewire(model)
+    ids = prompt()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        got = compiled(ids, use_cache=False).logits
+        want = reference(ids, use_cache=False).logits
+    assert _relative(got, want) <= 1e-5
+
+
+@pytest.mark.dsl
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_through_the_dsl_providers(family):
+    """The same model, every op forced onto the DSL kernels (interpreters on the CPU)."""
+    device = kernel_device()
+    model = build(family).to(device)
+    reference = copy.deepcopy(model)
+    rewire(model)
+    ids = prompt().to(device)
+    (provider,) = dsl_providers(ops.get_op("rms_norm"))
+    with torch.no_grad(), ops.use_provider(provider), ops.trace_dispatch() as ran:
+        got = model(ids).logits
+    assert {p.provider for p in ran} == {provider}
+    with torch.no_grad():
+        assert _relative(got, reference(ids).logits) <= 1e-5
+    assert_close(got[0, -1], reference(ids).logits[0, -1].detach().double(), torch.float32)

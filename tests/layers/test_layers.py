@@ -1,0 +1,159 @@
+"""Layers: forward vs forward_native, the registry, and an out-of-tree plugin in a rewired model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hw_agnostic import rewire
+from hw_agnostic.layers import (
+    CustomOp,
+    GatedMLP,
+    GeluAndMul,
+    LayerRegistryError,
+    PluggableLayer,
+    QKVProjection,
+    RMSNorm,
+    SiluAndMul,
+    SwigluOai,
+    registered_layers,
+    resolve,
+    unregister_oot,
+)
+from tests.backend.models import build, prompt
+
+
+@pytest.mark.parametrize("numerics", ["llama", "fp32_scale", "gemma"])
+def test_rms_norm_layer_matches_its_native_forward(numerics):
+    norm = RMSNorm(32, 1e-5, numerics)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x, residual = torch.randn(3, 32), torch.randn(3, 32)
+    torch.testing.assert_close(norm(x), norm.forward_native(x))
+    for got, want in zip(norm(x, residual), norm.forward_native(x, residual)):
+        torch.testing.assert_close(got, want)
+
+
+def test_rms_norm_layer_shares_a_given_weight_and_checks_it():
+    weight = nn.Parameter(torch.randn(16))
+    assert RMSNorm(16, weight=weight).weight is weight
+    with pytest.raises(ValueError, match=r"weight must have shape \(16,\)"):
+        RMSNorm(16, weight=nn.Parameter(torch.randn(8)))
+    with pytest.raises(ValueError, match="numerics must be one of"):
+        RMSNorm(16, numerics="olmo")
+    assert torch.equal(RMSNorm(4, numerics="gemma").weight, torch.zeros(4))
+    assert RMSNorm(4, has_weight=False).weight is None
+
+
+@pytest.mark.parametrize("layer", [SiluAndMul(), GeluAndMul("tanh"), GeluAndMul(), SwigluOai()], ids=repr)
+def test_activation_layers_match_their_native_forward(layer):
+    x = torch.randn(2, 3, 16) * 3
+    torch.testing.assert_close(layer(x), layer.forward_native(x))
+
+
+def test_gated_mlp_computes_down_act_gate_times_up():
+    mlp = GatedMLP(16, 24, "gelu_tanh", bias=True)
+    x = torch.randn(2, 16)
+    gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
+    want = mlp.down_proj(torch.nn.functional.gelu(gate, approximate="tanh") * up)
+    torch.testing.assert_close(mlp(x), want)
+    with pytest.raises(ValueError, match="unsupported activation 'relu'"):
+        GatedMLP(16, 24, "relu")
+
+
+def test_qkv_projection_runs_one_matmul_per_input():
+    qkv = QKVProjection(8, (8, 4, 4), bias=True)
+    q, k, v = qkv.parts()
+    x = torch.randn(3, 8)
+    calls = []
+    qkv.proj.register_forward_hook(lambda *a: calls.append(1))
+    outputs = [q(x), k(x), v(x)]
+    assert len(calls) == 1
+    for part, out in zip((q, k, v), outputs):
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, part.weight, part.bias))
+    k(torch.randn(3, 8))  # another input: computed afresh
+    assert len(calls) == 2
+    assert qkv._pending is not None and sum(1 for _ in q.parameters()) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# registry
+
+
+def test_builtin_layers_are_registered():
+    layers = registered_layers()
+    assert layers["rms_norm"] == (RMSNorm, None) and layers["gated_mlp"] == (GatedMLP, None)
+    assert resolve("rms_norm") is RMSNorm and resolve(GatedMLP) is GatedMLP
+
+
+def test_duplicate_and_mismatched_registrations_fail_loudly():
+    with pytest.raises(LayerRegistryError, match="already registered as 'rms_norm'"):
+        CustomOp.register("rms_norm")(type("Other", (CustomOp,), {}))
+    with pytest.raises(LayerRegistryError, match="must subclass CustomOp"):
+        CustomOp.register("not_a_custom_op")(type("Plain", (nn.Module,), {}))
+    with pytest.raises(LayerRegistryError, match="must be a subclass of RMSNorm"):
+        RMSNorm.register_oot(type("Stranger", (CustomOp,), {}))
+    with pytest.raises(LayerRegistryError, match="must be a subclass of GatedMLP"):
+        PluggableLayer.register_oot(type("Wrong", (RMSNorm,), {}), name="gated_mlp")
+    with pytest.raises(LayerRegistryError, match="no layer is registered as 'layer_norm'"):
+        RMSNorm.register_oot(type("X", (RMSNorm,), {}), name="layer_norm")
+    with pytest.raises(LayerRegistryError, match="no layer is registered as 'nope'"):
+        resolve("nope")
+
+
+# --------------------------------------------------------------------------------------------
+# an out-of-tree plugin
+
+
+class PluginNorm(RMSNorm):
+    """An accelerator's norm: its own forward, the constructor of the in-tree layer."""
+
+    calls = 0
+
+    def forward(self, x, residual=None):
+        PluginNorm.calls += 1
+        return self.forward_native(x, residual)
+
+
+class PluginMLP(GatedMLP):
+    calls = 0
+
+    def forward(self, x):
+        PluginMLP.calls += 1
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(torch.nn.functional.silu(gate) * up)
+
+
+@pytest.fixture
+def plugin():
+    RMSNorm.register_oot(PluginNorm)
+    GatedMLP.register_oot(PluginMLP)
+    PluginNorm.calls = PluginMLP.calls = 0
+    yield
+    unregister_oot("rms_norm")
+    unregister_oot("gated_mlp")
+
+
+def test_a_second_replacement_fails_loudly(plugin):
+    with pytest.raises(LayerRegistryError, match="already replaced by PluginNorm"):
+        RMSNorm.register_oot(type("Another", (RMSNorm,), {}))
+
+
+def test_constructing_a_layer_builds_the_plugin(plugin):
+    norm = RMSNorm(8, 1e-6)
+    assert type(norm) is PluginNorm and norm.eps == 1e-6  # __init__ ran
+    assert resolve("rms_norm") is PluginNorm
+
+
+def test_a_rewired_model_runs_the_plugin(plugin):
+    model = build("llama")
+    reference = build("llama")
+    report = rewire(model)
+    assert report.count("PluginNorm") == 5 and report.count("PluginMLP") == 2
+    PluginNorm.calls = PluginMLP.calls = 0  # rewire ran them to verify them
+    ids = prompt()
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    assert PluginNorm.calls > 0 and PluginMLP.calls == 2
+    assert ((got - want).norm() / want.norm()).item() <= 1e-5
