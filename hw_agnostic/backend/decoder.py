@@ -28,6 +28,7 @@ def install_fused_forward(layer: nn.Module, layout: DecoderLayout, signature_def
     named = layout.attention_params
     hidden_param = layout.hidden_param
     defaults = dict(signature_defaults)
+    sandwich = layout.name == "sandwich"
 
     def attention_kwargs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         passed = dict(defaults)
@@ -35,32 +36,20 @@ def install_fused_forward(layer: nn.Module, layout: DecoderLayout, signature_def
         passed.update(kwargs)
         return passed
 
-    def split_hidden(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Tensor, tuple[Any, ...]]:
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
+        if self.training:
+            return original(*args, **kwargs)
         if hidden_param in kwargs:
-            return kwargs.pop(hidden_param), args
-        return args[0], args[1:]
-
-    if layout.name == "pre_norm":
-
-        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
-            if self.training:
-                return original(*args, **kwargs)
-            hidden, rest = split_hidden(args, kwargs)
-            h = getattr(self, roles["input_norm"])(hidden)
-            h = getattr(self, roles["attention"])(hidden_states=h, **attention_kwargs(rest, kwargs))[0]
-            h, residual = getattr(self, roles["post_attention_norm"])(h, hidden)
-            return residual + getattr(self, roles["mlp"])(h)
-
-    else:
-
-        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
-            if self.training:
-                return original(*args, **kwargs)
-            hidden, rest = split_hidden(args, kwargs)
-            h = getattr(self, roles["input_norm"])(hidden)
-            h = getattr(self, roles["attention"])(hidden_states=h, **attention_kwargs(rest, kwargs))[0]
-            h, residual = getattr(self, roles["pre_mlp_norm"])(getattr(self, roles["post_attention_norm"])(h), hidden)
-            return residual + getattr(self, roles["post_mlp_norm"])(getattr(self, roles["mlp"])(h))
+            hidden, rest = kwargs.pop(hidden_param), args
+        else:
+            hidden, rest = args[0], args[1:]
+        role = {name: getattr(self, child) for name, child in roles.items()}
+        h = role["attention"](hidden_states=role["input_norm"](hidden), **attention_kwargs(rest, kwargs))[0]
+        if sandwich:
+            h, residual = role["pre_mlp_norm"](role["post_attention_norm"](h), hidden)
+            return residual + role["post_mlp_norm"](role["mlp"](h))
+        h, residual = role["post_attention_norm"](h, hidden)
+        return residual + role["mlp"](h)
 
     layer.forward = types.MethodType(forward, layer)
     layer._hw_agnostic_original_forward = original

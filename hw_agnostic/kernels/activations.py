@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .interpret import interpreter_mode
-from .runtime import Config, HelionFunction, KernelSpec
+from .runtime import Config, HelionFunction, KernelSpec, next_power_of_2
 
 try:
     import helion.language as hl
@@ -72,18 +72,14 @@ gated_activation_kernel = HelionFunction(_gated_activation)
 # configs. Keys: {"activation", "dtype", "inter", "tokens"}.
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def default_gated_activation_config(key: Mapping[str, Any]) -> Config:
     inter, tokens = int(key["inter"]), max(int(key["tokens"]), 1)
     if interpreter_mode() == "triton":
-        block_i = min(_pow2(inter), 1024)
-        block_m = min(_pow2(tokens), max(1, 8192 // block_i))
+        block_i = min(next_power_of_2(inter), 1024)
+        block_m = min(next_power_of_2(tokens), max(1, 8192 // block_i))
         return {"block_sizes": [block_m, block_i], "num_warps": 4, "num_stages": 1}
-    block_i = min(_pow2(inter), 1024)
-    block_m = min(_pow2(tokens), max(1, 2048 // block_i))
+    block_i = min(next_power_of_2(inter), 1024)
+    block_m = min(next_power_of_2(tokens), max(1, 2048 // block_i))
     return {"block_sizes": [block_m, block_i], "num_warps": 4, "num_stages": 1}
 
 
@@ -91,10 +87,10 @@ def gated_activation_candidates(key: Mapping[str, Any]) -> list[Config]:
     inter, tokens = int(key["inter"]), max(int(key["tokens"]), 1)
     candidates = [default_gated_activation_config(key)]
     for block_i in (128, 256, 512, 1024, 2048, 4096):
-        if block_i > 2 * _pow2(inter):
+        if block_i > 2 * next_power_of_2(inter):
             continue
         for block_m in (1, 2, 4, 8, 16, 32):
-            if block_m > _pow2(tokens) or block_m * block_i > 16384:
+            if block_m > next_power_of_2(tokens) or block_m * block_i > 16384:
                 continue
             for warps in (2, 4, 8, 16):
                 config = {"block_sizes": [block_m, block_i], "num_warps": warps, "num_stages": 1}

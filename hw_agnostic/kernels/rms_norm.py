@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .interpret import interpreter_mode
-from .runtime import Config, HelionFunction, KernelSpec
+from .runtime import Config, HelionFunction, KernelSpec, next_power_of_2
 
 try:
     import helion.language as hl
@@ -36,6 +36,15 @@ except Exception:  # Helion missing or broken: the ops fall back to other provid
 NUMERICS = ("llama", "fp32_scale", "gemma")
 
 _constexpr: Any = hl.constexpr if hl is not None else int
+
+
+def _apply_weight(normed: torch.Tensor, weight_row: torch.Tensor, input_dtype: torch.dtype, numerics: str) -> torch.Tensor:
+    """``normed`` (fp32) scaled as the HF module of ``numerics`` does it; inlined into each kernel."""
+    if numerics == "llama":
+        return normed.to(input_dtype).to(torch.float32) * weight_row
+    if numerics == "fp32_scale":
+        return normed * weight_row
+    return normed * (1.0 + weight_row)
 
 
 def _rms_norm(
@@ -51,16 +60,9 @@ def _rms_norm(
         xf = x[tile_m, :].to(torch.float32)
         inv_rms = torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + eps)
         normed = xf * inv_rms
-        if has_weight:
-            w = weight[None, :].to(torch.float32)
-            if numerics == "llama":
-                y = normed.to(x.dtype).to(torch.float32) * w
-            elif numerics == "fp32_scale":
-                y = normed * w
-            else:
-                y = normed * (1.0 + w)
-        else:
-            y = normed
+        y = normed
+        if has_weight:  # a statement, not an expression: Helion folds constexpr `if`s, not ternaries
+            y = _apply_weight(normed, weight[None, :].to(torch.float32), x.dtype, numerics)
         out[tile_m, :] = y.to(out.dtype)
 
 
@@ -81,16 +83,9 @@ def _fused_add_rms_norm_row(
         sf = s.to(torch.float32)
         inv_rms = torch.rsqrt(torch.mean(sf * sf, dim=-1, keepdim=True) + eps)
         normed = sf * inv_rms
-        if has_weight:
-            w = weight[None, :].to(torch.float32)
-            if numerics == "llama":
-                y = normed.to(x.dtype).to(torch.float32) * w
-            elif numerics == "fp32_scale":
-                y = normed * w
-            else:
-                y = normed * (1.0 + w)
-        else:
-            y = normed
+        y = normed
+        if has_weight:  # a statement, not an expression: Helion folds constexpr `if`s, not ternaries
+            y = _apply_weight(normed, weight[None, :].to(torch.float32), x.dtype, numerics)
         out[tile_m, :] = y.to(out.dtype)
 
 
@@ -119,16 +114,9 @@ def _fused_add_rms_norm_chunked(
         inv_rms = torch.rsqrt(sum_sq / n + eps)
         for tile_n in hl.tile(n, block_size=block_n):
             normed = residual_out[tile_m, tile_n].to(torch.float32) * inv_rms[:, None]
+            y = normed
             if has_weight:
-                w = weight[None, tile_n].to(torch.float32)
-                if numerics == "llama":
-                    y = normed.to(x.dtype).to(torch.float32) * w
-                elif numerics == "fp32_scale":
-                    y = normed * w
-                else:
-                    y = normed * (1.0 + w)
-            else:
-                y = normed
+                y = _apply_weight(normed, weight[None, tile_n].to(torch.float32), x.dtype, numerics)
             out[tile_m, tile_n] = y.to(out.dtype)
 
 
@@ -143,21 +131,17 @@ fused_add_rms_norm_chunked_kernel = HelionFunction(_fused_add_rms_norm_chunked)
 # Keys (see hw_agnostic.autotune.keys): {"dtype", "hidden", "tokens"}.
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _rows_per_program(key: Mapping[str, Any]) -> int:
     hidden, tokens = int(key["hidden"]), max(int(key["tokens"]), 1)
     if interpreter_mode() == "triton":
         # The interpreter costs milliseconds per program: few, large programs.
-        return min(_pow2(tokens), max(1, 16384 // _pow2(hidden)), 64)
+        return min(next_power_of_2(tokens), max(1, 16384 // next_power_of_2(hidden)), 64)
     # Small rows (per-head q/k norms) are packed several to a program.
-    return min(_pow2(tokens), max(1, 2048 // _pow2(hidden)))
+    return min(next_power_of_2(tokens), max(1, 2048 // next_power_of_2(hidden)))
 
 
 def _num_warps(elements: int) -> int:
-    return min(16, max(1, _pow2(elements) // 512))
+    return min(16, max(1, next_power_of_2(elements) // 512))
 
 
 _PERSISTENT_LIMIT = 16384
@@ -170,7 +154,7 @@ def default_rms_norm_config(key: Mapping[str, Any]) -> Config:
     return {
         "block_sizes": [rows],
         "reduction_loops": [chunk],
-        "num_warps": _num_warps(rows * min(_pow2(hidden), chunk or _pow2(hidden))),
+        "num_warps": _num_warps(rows * min(next_power_of_2(hidden), chunk or next_power_of_2(hidden))),
         "num_stages": 1,
     }
 
@@ -179,10 +163,10 @@ def rms_norm_candidates(key: Mapping[str, Any]) -> list[Config]:
     hidden, tokens = int(key["hidden"]), max(int(key["tokens"]), 1)
     candidates = [default_rms_norm_config(key)]
     for rows in (1, 2, 4, 8, 16, 32):
-        if rows > _pow2(tokens) or rows * min(_pow2(hidden), _PERSISTENT_LIMIT) > 65536:
+        if rows > next_power_of_2(tokens) or rows * min(next_power_of_2(hidden), _PERSISTENT_LIMIT) > 65536:
             continue
         for chunk in (None, 1024, 2048, 4096, 8192):
-            if chunk is not None and chunk >= _pow2(hidden):
+            if chunk is not None and chunk >= next_power_of_2(hidden):
                 continue
             if chunk is None and hidden > 4 * _PERSISTENT_LIMIT:
                 continue
@@ -197,7 +181,7 @@ def default_fused_add_rms_norm_config(key: Mapping[str, Any]) -> Config:
     hidden = int(key["hidden"])
     rows = _rows_per_program(key)
     if hidden <= _PERSISTENT_LIMIT:
-        return {"variant": "row", "block_sizes": [rows], "num_warps": _num_warps(rows * _pow2(hidden)), "num_stages": 1}
+        return {"variant": "row", "block_sizes": [rows], "num_warps": _num_warps(rows * next_power_of_2(hidden)), "num_stages": 1}
     return {"variant": "chunked", "block_sizes": [rows, 4096], "num_warps": _num_warps(rows * 4096), "num_stages": 1}
 
 
@@ -205,13 +189,13 @@ def fused_add_rms_norm_candidates(key: Mapping[str, Any]) -> list[Config]:
     hidden, tokens = int(key["hidden"]), max(int(key["tokens"]), 1)
     candidates = [default_fused_add_rms_norm_config(key)]
     for rows in (1, 2, 4, 8, 16, 32):
-        if rows > _pow2(tokens):
+        if rows > next_power_of_2(tokens):
             continue
         for warps in (1, 2, 4, 8, 16, 32):
-            if hidden <= 4 * _PERSISTENT_LIMIT and rows * _pow2(hidden) <= 65536:
+            if hidden <= 4 * _PERSISTENT_LIMIT and rows * next_power_of_2(hidden) <= 65536:
                 candidates.append({"variant": "row", "block_sizes": [rows], "num_warps": warps, "num_stages": 1})
             for chunk in (1024, 2048, 4096, 8192):
-                if chunk < _pow2(hidden):
+                if chunk < next_power_of_2(hidden):
                     candidates.append(
                         {"variant": "chunked", "block_sizes": [rows, chunk], "num_warps": warps, "num_stages": 1}
                     )
@@ -228,10 +212,10 @@ def split_variant(config: Config) -> tuple[str, Config]:
     return helion_config.pop("variant", "row"), helion_config
 
 
-RMS_NORM = KernelSpec("rms_norm", (_rms_norm,), default_rms_norm_config, rms_norm_candidates)
+RMS_NORM = KernelSpec("rms_norm", (_apply_weight, _rms_norm), default_rms_norm_config, rms_norm_candidates)
 FUSED_ADD_RMS_NORM = KernelSpec(
     "fused_add_rms_norm",
-    (_fused_add_rms_norm_row, _fused_add_rms_norm_chunked),
+    (_apply_weight, _fused_add_rms_norm_row, _fused_add_rms_norm_chunked),
     default_fused_add_rms_norm_config,
     fused_add_rms_norm_candidates,
 )

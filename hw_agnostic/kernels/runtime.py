@@ -42,6 +42,10 @@ class KernelSpec:
         return digest.hexdigest()[:16]
 
 
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def helion_available() -> str | None:
     """None when Helion imports, else why not."""
     try:
