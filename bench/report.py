@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-BASELINES = ("hf_eager", "hf_compile", "liger")
+BASELINES = ("hf_eager", "hf_compile", "hf_grouped_mm", "liger")
 
 
 def add_ratios(frame: pd.DataFrame) -> pd.DataFrame:

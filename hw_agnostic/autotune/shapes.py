@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 #: (model, hidden size, MLP intermediate size, head dim)
 MODELS: tuple[tuple[str, int, int, int], ...] = (
     ("Llama-3-8B", 4096, 14336, 128),
@@ -16,8 +18,34 @@ MODELS: tuple[tuple[str, int, int, int], ...] = (
 TOKEN_COUNTS: tuple[int, ...] = (1, 16, 128, 1024, 4096, 16384)
 
 
+class MoEModel(NamedTuple):
+    name: str
+    experts: int
+    top_k: int
+    hidden: int
+    inter: int
+    n_group: int = 1  # > 1: DeepSeek-V3's group-limited sigmoid routing
+    topk_group: int = 1
+
+
+MOE_MODELS: tuple[MoEModel, ...] = (
+    MoEModel("Qwen3-30B-A3B", 128, 8, 2048, 768),
+    MoEModel("Mixtral-8x7B", 8, 2, 4096, 14336),
+    MoEModel("DeepSeek-V3", 256, 8, 7168, 2048, n_group=8, topk_group=4),
+    MoEModel("gpt-oss-20b", 32, 4, 2880, 2880),
+)
+MOE_OPS = ("moe_route", "moe_align", "grouped_gemm", "fused_experts")
+
+
+def moe_model(width: int) -> MoEModel:
+    """The MoE model with hidden size ``width``, or a small generic layer of that width."""
+    return next((m for m in MOE_MODELS if m.hidden == width), MoEModel(f"generic-{width}", 8, 2, width, width))
+
+
 def widths(op_name: str) -> list[int]:
     """The last-dimension sizes an op sees in these models (hidden for norms, intermediate for MLPs)."""
+    if op_name in MOE_OPS:  # the MoE ops' example inputs take the model from its hidden size
+        return sorted({m.hidden for m in MOE_MODELS})
     if op_name in ("rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_"):
         values = {hidden for _, hidden, _, _ in MODELS} | {head for *_, head in MODELS}  # q/k norms
     else:

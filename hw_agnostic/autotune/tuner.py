@@ -126,7 +126,7 @@ def tune(
             continue
         expected_args = tuple(_float64(a) for a in args)
         expected = _outputs(op, expected_args, op.reference(*expected_args))
-        precision = least_precise(dtype, *(a.dtype for a in args if isinstance(a, torch.Tensor)))
+        precision = least_precise(dtype, *(a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()))
         best: tuple[float, dict[str, Any]] | None = None
         rejected: dict[str, str] = {}
         tried = 0

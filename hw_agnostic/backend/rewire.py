@@ -8,6 +8,8 @@
 3. Three sibling linears that read the same tensor (q, k, v) get one merged projection.
 4. Decoder layers with a pre-norm or sandwich-norm residual layout get a forward that runs the
    residual add and the next norm as one ``fused_add_rms_norm``.
+5. Mixture-of-experts layers run their experts with ``fused_experts`` (through transformers'
+   ``ExpertsInterface``) and their routers with ``moe_route``.
 
 The classes built are the ones :func:`hw_agnostic.layers.resolve` returns, so an out-of-tree
 plugin's replacements are what ends up in the model. Anything not understood is left as it was
@@ -26,9 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers import CustomOp, PluggableLayer, QKVProjection, RMSNorm, resolve
+from ..layers import CustomOp, PluggableLayer, RMSNorm, resolve
 from ..tolerances import mismatch
 from .decoder import FUSABLE, install_fused_forward
+from .experts import enable_fused_experts
 from .detect import (
     MLPSpec,
     NormSpec,
@@ -50,6 +53,7 @@ def rewire(
     *,
     merge_qkv: bool = True,
     fuse: bool = True,
+    experts: bool = True,
     verify: bool = True,
     verbose: bool = False,
     probe: Callable[[], Any] | None = None,
@@ -59,6 +63,8 @@ def rewire(
     Args:
         merge_qkv: merge q/k/v projections (needs one probe forward of the model, see ``probe``).
         fuse: fuse residual adds into the following norm in recognised decoder layers.
+        experts: run mixture-of-experts layers with ``fused_experts`` and their routers with
+            ``moe_route`` (see :mod:`hw_agnostic.backend.experts`).
         verify: run each replacement against the module it replaces first (skipped on meta).
         verbose: print the report as a table.
         probe: runs one forward of ``model`` for the q/k/v dataflow probe; by default a 4-token
@@ -79,6 +85,8 @@ def rewire(
         _merge_qkv(model, report, probe or _default_probe(model), verify)
     if fuse:
         _fuse_decoder_layers(model, report)
+    if experts:
+        enable_fused_experts(model, verify=verify, report=report)
     if verbose:
         print(report.table())
     return report

@@ -161,7 +161,6 @@ def _as_float_array(value: Any) -> Any:
 
 
 def _from_float(result: Any, scalar: Any) -> Any:
-    import numpy as np
     import triton.language as tl
 
     if scalar == tl.bfloat16:

@@ -58,8 +58,9 @@ def helion_available() -> str | None:
 class HelionFunction:
     """One Helion kernel function, compiled per (config, index width, argument specialisation)."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], *, dot_precision: str | None = None) -> None:
         self.fn = fn
+        self.dot_precision = dot_precision  # "ieee" for exact fp32 dots (Triton's default is TF32)
         self._kernels: dict[bool, Any] = {}
 
     def _kernel(self, int64: bool) -> Any:
@@ -72,6 +73,7 @@ class HelionFunction:
                 static_shapes=False,
                 index_dtype=torch.int64 if int64 else torch.int32,
                 autotune_effort="none",
+                **({"dot_precision": self.dot_precision} if self.dot_precision else {}),
             )
             self._kernels[int64] = kernel
         return kernel
@@ -92,11 +94,21 @@ class HelionFunction:
 
 
 def _fit_config(spec: Any, config: Config) -> Config:
-    """Drop per-loop settings for loops Helion specialised away (a size-1 hidden dim has no
-    reduction loop), so one config fits every specialisation of a key."""
+    """Fit a key's config to one specialisation of the kernel.
+
+    Drops per-loop settings for loops Helion specialised away (a size-1 hidden dim has no
+    reduction loop), and uses block size 1 over dims Helion specialised to size 1: Helion 1.5
+    drops such a dim's index and mask from stores, so a larger block writes every row to row 0.
+    """
     fitted = dict(config)
     for name, value in config.items():
         expected = getattr(spec, name, None)
         if isinstance(value, list) and expected is not None and hasattr(expected, "__len__"):
             fitted[name] = value[: len(expected)]
+    blocks = fitted.get("block_sizes")
+    if isinstance(blocks, list):
+        specs = list(getattr(spec, "block_sizes", []))
+        fitted["block_sizes"] = [
+            1 if i < len(specs) and getattr(specs[i], "size_hint", 2) <= 1 else block for i, block in enumerate(blocks)
+        ]
     return fitted

@@ -8,6 +8,7 @@ replacements.
 from .activation import GeluAndMul, SiluAndMul, SwigluOai, act_and_mul
 from .base import CustomOp, LayerRegistryError, PluggableLayer, registered_layers, resolve, unregister_oot
 from .mlp import GatedMLP
+from .moe import MoE, MoEExperts, MoERouter, RoutingSpec
 from .norm import RMSNorm
 from .qkv import QKVPart, QKVProjection
 
@@ -16,10 +17,14 @@ __all__ = [
     "GatedMLP",
     "GeluAndMul",
     "LayerRegistryError",
+    "MoE",
+    "MoEExperts",
+    "MoERouter",
     "PluggableLayer",
     "QKVPart",
     "QKVProjection",
     "RMSNorm",
+    "RoutingSpec",
     "SiluAndMul",
     "SwigluOai",
     "act_and_mul",

@@ -5,6 +5,7 @@ Each op is also a ``torch.library`` custom op, ``torch.ops.hw_agnostic.<name>``;
 """
 
 from .activations import gelu_and_mul, silu_and_mul, swiglu_oai
+from .moe import MoEAlignment, fused_experts, grouped_gemm, moe_align, moe_route
 from .registry import (
     Op,
     Plan,
@@ -20,14 +21,19 @@ from .registry import (
 from .rms_norm import fused_add_rms_norm, rms_norm
 
 __all__ = [
+    "MoEAlignment",
     "Op",
     "Plan",
     "Provider",
     "ProviderError",
     "all_ops",
     "fused_add_rms_norm",
+    "fused_experts",
     "gelu_and_mul",
     "get_op",
+    "grouped_gemm",
+    "moe_align",
+    "moe_route",
     "reset",
     "rms_norm",
     "silu_and_mul",

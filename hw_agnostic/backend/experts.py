@@ -1,0 +1,438 @@
+"""Mixture-of-experts models onto hw_agnostic: experts through ``ExpertsInterface``, routers through ``moe_route``.
+
+:func:`enable_fused_experts` works on an already-built Hugging Face model, in place:
+
+1. **Experts.** Every experts module transformers builds with ``@use_experts_implementation``
+   (stacked ``gate_up_proj`` / ``down_proj`` weights) dispatches its forward through
+   ``ExpertsInterface`` by ``config._experts_implementation``. We register
+   :data:`EXPERTS_IMPLEMENTATION` there and select it, so those modules run ``fused_experts``;
+   nothing is copied and the model's structure is unchanged (shared experts, router-logit
+   capture for the auxiliary loss and checkpoints keep working). Which gated activation a module
+   applies is found by evaluating its ``_apply_gate`` against the activation references (so
+   gpt-oss's clamped SwiGLU is recognised as what it computes, not by its class name). A module
+   we cannot run (no gate, a post-expert norm, a gate we do not know, quantised weights) keeps
+   transformers' ``grouped_mm`` path and is listed as left, with the reason.
+2. **Routers.** A router module whose ``forward`` is the code of a router family we implement
+   (compared as source text with that family's reference class, so the dozens of copies
+   transformers generates for other models are recognised too) has its class switched to a
+   subclass whose ``forward`` computes the same outputs with ``moe_route``: the module keeps its
+   parameters, buffers and hooks, and ``isinstance`` still holds, so transformers' router-logit
+   recording sees it. When the weights are real, each switched router is run against its own
+   original forward first and kept only if the ids are identical and the weights agree.
+
+Both paths fall back to transformers' own code while autograd needs gradients (training): the
+ops have no backward. :func:`disable_fused_experts` undoes both.
+
+:func:`moe_layer_from_hf` builds a :class:`~hw_agnostic.layers.moe.MoE` layer from an HF sparse
+MoE block (sharing its parameters), for a backend or plugin that replaces whole blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import logging
+import textwrap
+import weakref
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from ..layers.base import resolve
+from ..layers.moe import MoE, RoutingSpec, route
+from ..ops import checks
+from ..ops.moe import fused_experts, gated_reference
+from ..tolerances import mismatch
+from .detect import NotDetected
+from .report import RewireReport
+
+log = logging.getLogger(__name__)
+
+EXPERTS_IMPLEMENTATION = "hw_agnostic"
+
+
+def _needs_autograd(*tensors: Optional[Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# experts
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsSpec:
+    activation: str
+    interleaved: bool
+    transposed: bool
+    has_bias: bool
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    def describe(self) -> str:
+        layout = "[E, H, 2I] (transposed)" if self.transposed else "[E, 2I, H]"
+        gate = "interleaved" if self.interleaved else "gate-first"
+        return f"fused_experts: {self.activation}, {layout}, {gate}" + (", biases" if self.has_bias else "")
+
+
+def is_hf_experts(module: nn.Module) -> bool:
+    """A module transformers' ``@use_experts_implementation`` decorated (it sets these attributes)."""
+    return all(hasattr(module, name) for name in ("has_gate", "is_transposed", "has_bias", "down_proj"))
+
+
+def _gate_candidates(module: nn.Module) -> list[tuple[str, bool, float, float]]:
+    alpha, limit = float(getattr(module, "alpha", 1.702)), float(getattr(module, "limit", 7.0))
+    return [("silu", False, alpha, limit), ("gelu", False, alpha, limit), ("gelu_tanh", False, alpha, limit),
+            ("swiglu_oai", True, alpha, limit), ("swiglu_oai", False, alpha, limit)]
+
+
+def _identify_gate(module: nn.Module) -> tuple[str, bool, float, float] | None:
+    """Which gated activation ``module._apply_gate`` computes, by evaluating it on a probe that
+    reaches past gpt-oss's clamps."""
+    shuffle = torch.randperm(16, generator=torch.Generator().manual_seed(0))  # tells interleaved from gate-first
+    probe = torch.linspace(-9.0, 9.0, 6 * 16).reshape(6, 16)[:, shuffle]
+    try:
+        with torch.no_grad():
+            out = module._apply_gate(probe)
+    except Exception:
+        return None
+    for candidate in _gate_candidates(module):
+        want = gated_reference(probe, *candidate)
+        if isinstance(out, Tensor) and out.shape == want.shape and torch.allclose(out, want, rtol=1e-5, atol=1e-6):
+            return candidate
+    return None
+
+
+_experts_specs: weakref.WeakKeyDictionary[nn.Module, ExpertsSpec | NotDetected] = weakref.WeakKeyDictionary()
+
+
+def detect_experts(module: nn.Module) -> ExpertsSpec | NotDetected:
+    """How ``fused_experts`` runs this experts module, or why it cannot (cached per module)."""
+    spec = _experts_specs.get(module)
+    if spec is None:
+        spec = _detect_experts(module)
+        _experts_specs[module] = spec
+    return spec
+
+
+def _detect_experts(module: nn.Module) -> ExpertsSpec | NotDetected:
+    if not module.has_gate or not hasattr(module, "gate_up_proj"):
+        return NotDetected("experts without a gate (up_proj only): not a gated MLP")
+    if getattr(module, "has_post_expert_norm", False):
+        return NotDetected("a norm after each expert")
+    for name in ("gate_up_proj", "down_proj"):
+        weight = getattr(module, name)
+        if not isinstance(weight, Tensor) or weight.dim() != 3 or weight.dtype not in checks.FLOAT_DTYPES:
+            return NotDetected(f"{name} is not a stacked float [E, ., .] tensor ({getattr(weight, 'dtype', None)})")
+    gate = _identify_gate(module)
+    if gate is None:
+        return NotDetected("its _apply_gate is none of silu/gelu/gelu_tanh(gate) * up or gpt-oss's clamped SwiGLU")
+    activation, interleaved, alpha, limit = gate
+    return ExpertsSpec(activation, interleaved, bool(module.is_transposed), bool(module.has_bias), alpha, limit)
+
+
+def hw_agnostic_experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
+                                top_k_weights: Tensor) -> Tensor:
+    """The ``ExpertsInterface`` implementation: ``fused_experts`` on the module's own weights."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    spec = detect_experts(module)
+    if isinstance(spec, NotDetected) or _needs_autograd(hidden_states, top_k_weights, module.gate_up_proj):
+        return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    dtype = module.gate_up_proj.dtype  # transformers casts the input to the weights' dtype too
+    out = fused_experts(
+        hidden_states.to(dtype), module.gate_up_proj, module.down_proj, top_k_weights, top_k_index,
+        activation=spec.activation, transposed=spec.transposed, interleaved=spec.interleaved,
+        gate_up_bias=module.gate_up_proj_bias if spec.has_bias else None,
+        down_bias=module.down_proj_bias if spec.has_bias else None,
+        swiglu_alpha=spec.swiglu_alpha, swiglu_limit=spec.swiglu_limit,
+    )
+    return out.to(hidden_states.dtype)
+
+
+def register_experts_implementation() -> None:
+    """Make ``experts_implementation="hw_agnostic"`` known to transformers (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, hw_agnostic_experts_forward)
+
+
+# --------------------------------------------------------------------------------------------
+# routers
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterForm:
+    """A family's router ``forward``: the class whose source defines it, and how to read it."""
+
+    name: str
+    anchor: str  # "module:Class"
+    spec: Callable[[nn.Module], RoutingSpec]
+    bias: Callable[[nn.Module], Optional[Tensor]] = lambda m: None
+    correction_bias: Callable[[nn.Module], Optional[Tensor]] = lambda m: None
+    keeps_leading_dims: bool = False  # the forward does not flatten its input to [T, H]
+
+
+_MODELS = "transformers.models"
+ROUTER_FORMS: tuple[RouterForm, ...] = (
+    RouterForm(  # Qwen2/3-MoE, OLMoE, FlexOlmo, Qwen3-Next, ...
+        "softmax_topk", f"{_MODELS}.qwen3_moe.modeling_qwen3_moe:Qwen3MoeTopKRouter",
+        lambda m: RoutingSpec(m.top_k, "softmax", bool(m.norm_topk_prob), weights_dtype="logits"),
+    ),
+    RouterForm(  # Qwen3-VL-MoE, Qwen3.5-MoE: always renormalised
+        "softmax_topk_renormalized", f"{_MODELS}.qwen3_vl_moe.modeling_qwen3_vl_moe:Qwen3VLMoeTextTopKRouter",
+        lambda m: RoutingSpec(m.top_k, "softmax", True, weights_dtype="logits"),
+    ),
+    RouterForm(  # Mixtral, MiniMax: renormalised, fp32 weights
+        "mixtral", f"{_MODELS}.mixtral.modeling_mixtral:MixtralTopKRouter",
+        lambda m: RoutingSpec(m.top_k, "softmax", True, weights_dtype="fp32"),
+    ),
+    RouterForm(  # DeepSeek-V3, GLM-4-MoE, Dots1, ...: sigmoid, correction bias, groups
+        "deepseek_v3", f"{_MODELS}.deepseek_v3.modeling_deepseek_v3:DeepseekV3TopkRouter",
+        lambda m: RoutingSpec(m.top_k, "sigmoid", bool(m.norm_topk_prob), int(m.num_group), int(m.topk_group),
+                              float(m.routed_scaling_factor), logits="fp32_inputs", weights_dtype="fp32"),
+        correction_bias=lambda m: m.e_score_correction_bias,
+    ),
+    RouterForm(  # gpt-oss: biased logits, top-k then softmax
+        "gpt_oss", f"{_MODELS}.gpt_oss.modeling_gpt_oss:GptOssTopKRouter",
+        lambda m: RoutingSpec(m.top_k, "topk_then_softmax", weights_dtype="logits"),
+        bias=lambda m: m.bias, keeps_leading_dims=True,
+    ),
+    RouterForm(  # Granite-MoE (all variants): fp32 logits, top-k then softmax, weights in the hidden dtype
+        "granite_moe", f"{_MODELS}.granitemoe.modeling_granitemoe:GraniteMoeTopKRouter",
+        lambda m: RoutingSpec(m.top_k, "topk_then_softmax", logits="fp32_outputs", weights_dtype="hidden"),
+        keeps_leading_dims=True,
+    ),
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_source(cls: type) -> str | None:
+    try:
+        return textwrap.dedent(inspect.getsource(cls.forward)).strip()
+    except (OSError, TypeError, AttributeError):
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _anchor_source(anchor: str) -> str | None:
+    module_name, _, class_name = anchor.partition(":")
+    try:
+        return _forward_source(getattr(importlib.import_module(module_name), class_name))
+    except Exception:  # a transformers without that model
+        return None
+
+
+def router_form(module: nn.Module) -> RouterForm | None:
+    """The family whose router code ``module`` runs, if we implement it."""
+    cls = getattr(type(module), "_hw_agnostic_base", type(module))
+    if not isinstance(getattr(module, "weight", None), Tensor) or not hasattr(module, "top_k"):
+        return None
+    source = _forward_source(cls)
+    if source is None:
+        return None
+    return next((form for form in ROUTER_FORMS if _anchor_source(form.anchor) == source), None)
+
+
+def _routed_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    form: RouterForm = type(self)._hw_agnostic_form
+    bias = form.bias(self)
+    if _needs_autograd(hidden_states, self.weight, bias):
+        return type(self)._hw_agnostic_base.forward(self, hidden_states)
+    logits, weights, ids = route(form.spec(self), hidden_states, self.weight, bias, form.correction_bias(self))
+    if form.keeps_leading_dims:
+        lead = hidden_states.shape[:-1]
+        logits, weights, ids = logits.view(*lead, -1), weights.view(*lead, -1), ids.view(*lead, -1)
+    return logits, weights, ids
+
+
+@functools.lru_cache(maxsize=None)
+def _routed_class(cls: type, form: RouterForm) -> type:
+    return type(f"HwAgnostic{cls.__name__}", (cls,), {
+        "forward": _routed_forward, "_hw_agnostic_form": form, "_hw_agnostic_base": cls, "__module__": __name__,
+        "__doc__": f"{cls.__name__} computing its routing with hw_agnostic's moe_route ({form.name} form).",
+    })
+
+
+def _router_disagreement(module: nn.Module, routed_class: type) -> str | None:
+    """Run the switched router against the module's own forward on random tokens."""
+    weight = module.weight
+    if weight.is_meta:
+        return None
+    generator = torch.Generator().manual_seed(weight.shape[-1])
+    hidden = torch.randn(13, weight.shape[-1], generator=generator).to(weight.device, weight.dtype)
+    base = type(module)
+    with torch.no_grad():
+        want = base.forward(module, hidden)
+        module.__class__ = routed_class
+        try:
+            got = module(hidden)
+        finally:
+            module.__class__ = base
+    if not isinstance(want, tuple) or len(want) != 3:
+        return "its forward does not return (logits, weights, ids)"
+    (want_logits, want_weights, want_ids), (logits, weights, ids) = want, got
+    if want_ids.shape != ids.shape or not torch.equal(want_ids.sort(-1).values.to(ids.dtype), ids.sort(-1).values):
+        return "chose different experts"
+    order, want_order = ids.argsort(-1), want_ids.argsort(-1)  # a family's top-k may come unsorted
+    for name, a, b in (("logits", logits, want_logits),
+                       ("weights", weights.gather(-1, order), want_weights.gather(-1, want_order))):
+        if a.dtype != b.dtype:
+            return f"{name} in {a.dtype} instead of {b.dtype}"
+        problem = mismatch(a, b.double(), b.dtype)
+        if problem:
+            return f"{name} differ: {problem}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# the entry points
+
+
+_previous_implementation: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def _select_implementation(model: nn.Module, experts: list[nn.Module]) -> None:
+    if hasattr(model, "set_experts_implementation") and hasattr(model, "get_experts_implementation"):
+        _previous_implementation.setdefault(model, model.get_experts_implementation())
+        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    for module in experts:  # configs transformers' setter does not reach (modules outside a PreTrainedModel)
+        config = getattr(module, "config", None)
+        if config is not None and config._experts_implementation != EXPERTS_IMPLEMENTATION:
+            config._experts_implementation_internal = EXPERTS_IMPLEMENTATION
+
+
+def enable_fused_experts(
+    model: nn.Module, *, routing: bool = True, verify: bool = True, report: RewireReport | None = None
+) -> RewireReport:
+    """Run ``model``'s MoE experts with ``fused_experts`` and its routers with ``moe_route``, in place.
+
+    Returns the report (``report`` if given, so the backend can collect one for the whole rewire):
+    one ``replaced`` entry per experts module and router switched, one ``left`` entry with the
+    reason for each one that keeps transformers' code.
+    """
+    report = report if report is not None else RewireReport()
+    register_experts_implementation()
+    selected = []
+    for path, module in model.named_modules():
+        if is_hf_experts(module):
+            spec = detect_experts(module)
+            if isinstance(spec, NotDetected):
+                report.add("left", path, module, detail=f"experts keep transformers' grouped_mm: {spec.reason}")
+                continue
+            selected.append(module)
+            experts = module.gate_up_proj.shape[0]
+            report.add("replaced", path, module, f"experts_implementation={EXPERTS_IMPLEMENTATION!r}",
+                       f"{spec.describe()}, {experts} experts")
+        elif routing and isinstance(getattr(module, "weight", None), Tensor) and hasattr(module, "top_k"):
+            _switch_router(path, module, report, verify)
+    if selected:
+        _select_implementation(model, selected)
+    return report
+
+
+def _switch_router(path: str, module: nn.Module, report: RewireReport, verify: bool) -> None:
+    if hasattr(type(module), "_hw_agnostic_form"):
+        return  # switched already
+    form = router_form(module)
+    if form is None:
+        report.add("left", path, module, detail="router code is none of the families moe_route implements")
+        return
+    routed = _routed_class(type(module), form)
+    problem = _router_disagreement(module, routed) if verify else None
+    if problem is not None:
+        report.add("left", path, module, detail=f"moe_route disagreed with this router: {problem}")
+        return
+    module.__class__ = routed
+    spec = form.spec(module)
+    report.add("replaced", path, type(module)._hw_agnostic_base, routed.__name__,
+               f"moe_route {spec.scoring}, top-{spec.top_k}" + (", renormalized" if spec.renormalize else "")
+               + (f", groups {spec.topk_group}/{spec.n_group}" if spec.n_group > 1 else ""))
+
+
+def disable_fused_experts(model: nn.Module) -> None:
+    """Undo :func:`enable_fused_experts`: transformers' routers and experts implementation again."""
+    for module in model.modules():
+        base = getattr(type(module), "_hw_agnostic_base", None)
+        if base is not None:
+            module.__class__ = base
+    previous = _previous_implementation.pop(model, None)
+    if previous is not None:
+        model.set_experts_implementation(previous)
+
+
+# --------------------------------------------------------------------------------------------
+# whole blocks
+
+
+def moe_layer_from_hf(block: nn.Module) -> MoE | NotDetected:
+    """A :class:`~hw_agnostic.layers.moe.MoE` computing what the HF sparse MoE ``block`` computes.
+
+    The layer shares the block's parameters (nothing is copied). Recognised: a router child
+    (``gate`` or ``router``) of a family :func:`router_form` knows, an experts child ``experts``,
+    and optionally ``shared_expert`` (+ ``shared_expert_gate``, Qwen2-MoE) or ``shared_experts``
+    (DeepSeek-V3). When the weights are real the layer is run against the block first.
+    """
+    router = next((getattr(block, n) for n in ("gate", "router") if hasattr(block, n)), None)
+    experts = getattr(block, "experts", None)
+    if router is None or experts is None or not is_hf_experts(experts):
+        return NotDetected("not a sparse MoE block (no gate/router and HF experts children)")
+    form = router_form(router)
+    if form is None:
+        return NotDetected("router code is none of the families moe_route implements")
+    spec = detect_experts(experts)
+    if isinstance(spec, NotDetected):
+        return spec
+    routing = form.spec(router)
+    weight, bias, correction = router.weight, form.bias(router), form.correction_bias(router)
+    num_experts, hidden = weight.shape
+    inter = experts.down_proj.shape[1] if spec.transposed else experts.down_proj.shape[2]
+    new_router = resolve("moe_router")(hidden, num_experts, routing, bias=bias is not None,
+                                       correction_bias=correction is not None, device="meta", dtype=weight.dtype)
+    state = {"weight": weight, **({"bias": bias} if bias is not None else {}),
+             **({"e_score_correction_bias": correction} if correction is not None else {})}
+    new_router.load_state_dict(state, strict=True, assign=True)
+    new_experts = resolve("moe_experts")(
+        num_experts, hidden, inter, spec.activation, transposed=spec.transposed, interleaved=spec.interleaved,
+        bias=spec.has_bias, swiglu_alpha=spec.swiglu_alpha, swiglu_limit=spec.swiglu_limit, device="meta",
+        dtype=experts.gate_up_proj.dtype)
+    expert_state = {"gate_up_proj": experts.gate_up_proj, "down_proj": experts.down_proj}
+    if spec.has_bias:
+        expert_state.update(gate_up_proj_bias=experts.gate_up_proj_bias, down_proj_bias=experts.down_proj_bias)
+    new_experts.load_state_dict(expert_state, strict=True, assign=True)
+    shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)
+    layer = resolve("moe")(new_router, new_experts, shared, getattr(block, "shared_expert_gate", None))
+    problem = _block_disagreement(block, layer)
+    return NotDetected(f"the MoE layer disagreed with the block: {problem}") if problem else layer
+
+
+def _block_disagreement(block: nn.Module, layer: nn.Module) -> str | None:
+    weight = layer.experts.gate_up_proj
+    if weight.is_meta:
+        return None
+    hidden = torch.randn(2, 5, layer.hidden_size, generator=torch.Generator().manual_seed(7))
+    hidden = hidden.to(weight.device, weight.dtype)
+    with torch.no_grad():
+        want, got = block(hidden), layer(hidden)
+    if not isinstance(want, Tensor):
+        return f"the block returns {type(want).__name__}, not a tensor"
+    return mismatch(got, want.double(), want.dtype)
+
+
+__all__ = [
+    "EXPERTS_IMPLEMENTATION",
+    "ROUTER_FORMS",
+    "ExpertsSpec",
+    "RouterForm",
+    "detect_experts",
+    "disable_fused_experts",
+    "enable_fused_experts",
+    "hw_agnostic_experts_forward",
+    "is_hf_experts",
+    "moe_layer_from_hf",
+    "register_experts_implementation",
+    "router_form",
+]
