@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-BASELINES = ("hf_eager", "hf_compile", "hf_grouped_mm", "liger")
+BASELINES = ("hf_eager", "hf_compile", "hf_grouped_mm", "liger", "torch_sdpa", "flash_attn", "flashinfer")
 
 
 def add_ratios(frame: pd.DataFrame) -> pd.DataFrame:

@@ -14,6 +14,8 @@ from triton.language.extra import libdevice
 
 from hw_agnostic.kernels.interpret import interpreter_mode
 
+import helion.language as hl  # noqa: E402  (the kernel below refers to it)
+
 triton_tier = pytest.mark.skipif(interpreter_mode() != "triton", reason="needs TRITON_INTERPRET=1")
 
 
@@ -128,3 +130,25 @@ def test_bf16_arithmetic_and_rounding_match_torch():
     torch.testing.assert_close(outs["rowsum"], a.float().sum(1).to(torch.bfloat16), rtol=0, atol=0)
     torch.testing.assert_close(outs["dot"], a.float() @ b.float(), rtol=1e-5, atol=1e-5)
     assert torch.equal(outs["to_bf16"], f32.to(torch.bfloat16)), "float32 -> bf16 must round to nearest-even"
+
+
+def _row_max(x, out):
+    m, n = x.size()
+    for tile_m in hl.tile(m):
+        out[tile_m] = torch.amax(x[tile_m, :], dim=-1)
+
+
+@triton_tier
+@pytest.mark.dsl
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_helion_amax_keeps_nan_and_dtype_under_the_faster_reduction(dtype):
+    import helion
+
+    kernel = helion.kernel(_row_max, static_shapes=False,
+                           config=helion.Config(block_sizes=[2], reduction_loops=[None]))
+    x = torch.randn(5, 33).to(dtype)
+    x[1, 3] = float("nan")
+    out = torch.empty(5, dtype=dtype)
+    kernel(x, out)
+    assert torch.equal(out.isnan(), x.amax(-1).isnan())
+    assert torch.equal(out[~out.isnan()], x.amax(-1)[~out.isnan()])

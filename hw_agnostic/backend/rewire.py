@@ -6,6 +6,9 @@
    :class:`~hw_agnostic.layers.GatedMLP` with one merged gate/up weight (built one layer at a time,
    so only one layer's gate and up weights exist twice, briefly); the down projection is reused.
 3. Three sibling linears that read the same tensor (q, k, v) get one merged projection.
+   Self-attention modules become paged-attention layers: K/V go to a paged cache through
+   ``write_kv_cache`` and attention runs in ``paged_attention``, for ``generate()`` and
+   continuous batching alike.
 4. Decoder layers with a pre-norm or sandwich-norm residual layout get a forward that runs the
    residual add and the next norm as one ``fused_add_rms_norm``.
 5. Mixture-of-experts layers run their experts with ``fused_experts`` (through transformers'
@@ -28,8 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers import CustomOp, PluggableLayer, RMSNorm, resolve
+from ..layers import CustomOp, PagedAttention, PluggableLayer, RMSNorm, resolve
 from ..tolerances import mismatch
+from .attention import enable_paged_attention
 from .decoder import FUSABLE, install_fused_forward
 from .experts import enable_fused_experts
 from .detect import (
@@ -52,6 +56,7 @@ def rewire(
     model: nn.Module,
     *,
     merge_qkv: bool = True,
+    attention: bool = True,
     fuse: bool = True,
     experts: bool = True,
     verify: bool = True,
@@ -62,6 +67,8 @@ def rewire(
 
     Args:
         merge_qkv: merge q/k/v projections (needs one probe forward of the model, see ``probe``).
+        attention: run self-attention with ``write_kv_cache`` + ``paged_attention`` over a paged
+            cache (see :mod:`hw_agnostic.backend.attention`).
         fuse: fuse residual adds into the following norm in recognised decoder layers.
         experts: run mixture-of-experts layers with ``fused_experts`` and their routers with
             ``moe_route`` (see :mod:`hw_agnostic.backend.experts`).
@@ -83,6 +90,8 @@ def rewire(
             replaced.add(path)
     if merge_qkv:
         _merge_qkv(model, report, probe or _default_probe(model), verify)
+    if attention:
+        _page_attention(model, report)
     if fuse:
         _fuse_decoder_layers(model, report)
     if experts:
@@ -254,8 +263,9 @@ def _fuse_decoder_layers(model: nn.Module, report: RewireReport) -> None:
             report.add("left", path, layer, detail=f"not fused: {layout.reason}")
             continue
         attention = layout.roles["attention"]
-        report.add("left", f"{path}.{attention}", getattr(layer, attention),
-                   detail="attention runs as the model defines it")
+        if not isinstance(getattr(layer, attention), PagedAttention):
+            report.add("left", f"{path}.{attention}", getattr(layer, attention),
+                       detail="attention runs as the model defines it")
         if layout.name not in FUSABLE:
             report.add("left", path, layer, detail=f"{layout.name} layout: no norm follows a residual add")
             continue
@@ -264,3 +274,10 @@ def _fuse_decoder_layers(model: nn.Module, report: RewireReport) -> None:
         install_fused_forward(layer, layout, defaults)
         fused_norm = layout.roles["post_attention_norm" if layout.name == "pre_norm" else "pre_mlp_norm"]
         report.add("fused", path, layer, layout.name, f"residual add + {fused_norm} -> fused_add_rms_norm")
+
+
+def _page_attention(model: nn.Module, report: RewireReport) -> None:
+    originals = {path: type(module) for path, module in model.named_modules()}
+    for path in enable_paged_attention(model):
+        report.add("replaced", path, originals[path], type(model.get_submodule(path)).__name__,
+                   "K/V in a paged cache: write_kv_cache + paged_attention")

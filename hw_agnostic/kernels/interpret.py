@@ -24,6 +24,12 @@ Helion eager interpret mode:
 
 4. ``torch.addmm``/``baddbmm``/``hl.dot`` call ``aten::mm.dtype``, which has no CPU kernel; we
    register one (upcast, matmul, cast).
+
+And one speed fix for Helion under the Triton interpreter:
+
+5. Helion lowers ``amax``/``amin`` to reductions with a NaN-propagating combine function, which
+   the interpreter runs element by element in Python (~60 µs each); we give it the same result
+   through ``tl.max``/``tl.min`` plus a NaN check, which the interpreter runs in numpy.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ def apply() -> None:
         _patch_libdevice()
         _patch_bf16_arithmetic()
         _patch_range_bounds()
+        _patch_helion_nan_reductions()
         _applied.add("triton")
         log.debug("hw_agnostic: Triton interpreter fixes applied")
     elif mode == "helion" and "helion" not in _applied:
@@ -349,6 +356,22 @@ def _patch_range_bounds() -> None:
         scope.set_attr(lang, "static_range", range_with_int_bounds)
 
     interp._patch_lang_core = patch_lang_core
+
+
+# --------------------------------------------------------------------------------------------
+# 5. Helion's NaN-propagating max/min, vectorised
+
+
+def _patch_helion_nan_reductions() -> None:
+    try:
+        import helion.runtime.triton.helpers as helpers
+    except Exception:  # no Helion: nothing to speed up
+        return
+    # The interpreter needs triton.language among a jit function's module globals.
+    from . import _interpreted_reductions as fast
+
+    helpers.max_propagate_nan = fast.max_propagate_nan
+    helpers.min_propagate_nan = fast.min_propagate_nan
 
 
 # --------------------------------------------------------------------------------------------

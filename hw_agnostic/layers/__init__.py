@@ -6,6 +6,7 @@ replacements.
 """
 
 from .activation import GeluAndMul, SiluAndMul, SwigluOai, act_and_mul
+from .attention import PagedAttention, PagedBatch, PagedKVCache, attend
 from .base import CustomOp, LayerRegistryError, PluggableLayer, registered_layers, resolve, unregister_oot
 from .mlp import GatedMLP
 from .moe import MoE, MoEExperts, MoERouter, RoutingSpec
@@ -20,6 +21,9 @@ __all__ = [
     "MoE",
     "MoEExperts",
     "MoERouter",
+    "PagedAttention",
+    "PagedBatch",
+    "PagedKVCache",
     "PluggableLayer",
     "QKVPart",
     "QKVProjection",
@@ -28,6 +32,7 @@ __all__ = [
     "SiluAndMul",
     "SwigluOai",
     "act_and_mul",
+    "attend",
     "registered_layers",
     "resolve",
     "unregister_oot",

@@ -6,6 +6,7 @@ Each op is also a ``torch.library`` custom op, ``torch.ops.hw_agnostic.<name>``;
 
 from .activations import gelu_and_mul, silu_and_mul, swiglu_oai
 from .moe import MoEAlignment, fused_experts, grouped_gemm, moe_align, moe_route
+from .paged_attention import paged_attention, validate_paged_attention_inputs, write_kv_cache
 from .registry import (
     Op,
     Plan,
@@ -34,6 +35,7 @@ __all__ = [
     "grouped_gemm",
     "moe_align",
     "moe_route",
+    "paged_attention",
     "reset",
     "rms_norm",
     "silu_and_mul",
@@ -41,4 +43,6 @@ __all__ = [
     "trace_dispatch",
     "use_config",
     "use_provider",
+    "validate_paged_attention_inputs",
+    "write_kv_cache",
 ]

@@ -26,6 +26,7 @@ def _assert_rewired(model, report, family: str) -> None:
     assert sum(isinstance(m, GatedMLP) for m in model.modules()) == mlps
     assert sum(isinstance(m, QKVProjection) for m in model.modules()) == qkv
     assert report.count("RMSNorm") == norms and report.count("GatedMLP") == mlps
+    assert report.count("PagedAttention") == 2
     if layout:
         assert report.count(layout) == 2, report.table()
     else:
@@ -44,7 +45,8 @@ def test_fp32_logits_and_greedy_tokens_match_hf(family):
         got = model(ids).logits
     want = reference(ids).logits.detach()
     assert _relative(got, want) <= 1e-5
-    assert {"rms_norm", "silu_and_mul", "gelu_and_mul"} & {p.op for p in ran}
+    ran_ops = {p.op for p in ran}
+    assert {"rms_norm", "paged_attention", "write_kv_cache"} <= ran_ops and {"silu_and_mul", "gelu_and_mul"} & ran_ops
     with torch.no_grad():
         tokens = model.generate(ids[:1], max_new_tokens=32, min_new_tokens=32, do_sample=False)
         expected = reference.generate(ids[:1], max_new_tokens=32, min_new_tokens=32, do_sample=False)

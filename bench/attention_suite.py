@@ -1,0 +1,212 @@
+"""Attention rows: ``paged_attention`` (and the cache write) against attention on contiguous K/V.
+
+Decode (``op = "paged_attention decode"``): ``batch`` sequences of ``context`` keys each, one new
+query per sequence; ``tokens`` is the batch and ``width`` the context. The op reads each
+sequence's pages through a shuffled block table. Baselines: PyTorch SDPA on contiguous
+``[B, Hkv, context, D]`` K/V (``torch_sdpa``, GQA without repeating K/V), and on GPUs FlashAttention's
+paged ``flash_attn_with_kvcache`` and FlashInfer's paged decode when installed. Bytes are the K/V
+read plus q and the output; ``bw_fraction`` divides by the same run's copy bandwidth. A baseline
+that cannot run a shape (FlashAttention-2's paged path wants 256-token blocks) gets a row with
+no time and the error.
+
+Prefill (``op = "paged_attention prefill"``): ``width`` fresh prompts of ``tokens`` tokens each,
+causal, as one varlen batch. Baselines: SDPA with ``is_causal`` on ``[S, H, L, D]`` (the flash
+backend on GPUs) and FlashAttention's varlen function when installed. FLOPs count the causal
+half, ``2 * 2 * S * Hq * D * L * (L + 1) / 2``; ``matmul_fraction`` divides TFLOP/s by the same
+run's bf16 matmul rate.
+
+``write_kv_cache`` rows (``op = "write_kv_cache"``) time a decode step's and a prefill's cache write.
+
+Shapes follow Llama-3-8B (32 query heads, 8 KV heads, head dim 128, block size 16). The CPU (where
+the op runs its PyTorch reference) gets a small grid; its rows say how far the reference is
+from SDPA, not what the kernels do.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from hw_agnostic.ops.paged_attention import paged_attention, paged_attention_op, write_kv_cache, write_kv_cache_op
+
+from .timing import first_call_s, median_time_us
+
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+MAX_CACHE_BYTES = 24 << 30  # per K or V cache: keeps the largest GPU rows (and SDPA's copy) in memory
+
+
+def _grid(device: torch.device, quick: bool) -> list[tuple[str, int, int]]:
+    if device.type == "cpu":
+        decode = [(b, c) for b in (1, 8) for c in ((512,) if quick else (512, 2048))]
+        prefill = [(1, 256)] if quick else [(1, 512), (2, 256)]
+    elif quick:
+        decode = [(b, c) for b in (1, 64) for c in (2048, 8192)]
+        prefill = [(1, 2048), (4, 2048)]
+    else:
+        decode = [(b, c) for b in (1, 8, 64, 256) for c in (512, 2048, 8192, 32768)]
+        prefill = [(s, t) for s in (1, 4, 8) for t in (512, 2048, 8192)]
+    return [("decode", b, c) for b, c in decode] + [("prefill", s, t) for s, t in prefill]
+
+
+def _paged_cache(seqs: int, context: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    shape = (seqs * blocks_per_seq, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, device=device, dtype=dtype)
+    v_cache = torch.randn(shape, device=device, dtype=dtype)
+    order = torch.randperm(seqs * blocks_per_seq, device=device)
+    table = order.view(seqs, blocks_per_seq).to(torch.int32)
+    return k_cache, v_cache, table
+
+
+def _flash_attn() -> Any:
+    try:
+        import flash_attn
+    except Exception:
+        return None
+    return flash_attn
+
+
+def _flashinfer() -> Any:
+    try:
+        import flashinfer
+    except Exception:
+        return None
+    return flashinfer
+
+
+def _decode(batch: int, context: int, dtype: torch.dtype, device: torch.device) -> tuple[dict, dict, tuple]:
+    k_cache, v_cache, table = _paged_cache(batch, context, dtype, device)
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, device=device, dtype=dtype)
+    cu = torch.arange(batch + 1, device=device, dtype=torch.int32)
+    lens = torch.full((batch,), context, device=device, dtype=torch.int32)
+    args = (q, k_cache, v_cache, table, cu, lens, HEAD_DIM**-0.5, None, None, None, 1, context)
+    candidates: dict[str, Callable[[], Any]] = {
+        "hw_agnostic": lambda: paged_attention(q, k_cache, v_cache, table, cu, lens, max_q_len=1, max_kv_len=context),
+    }
+    k = torch.randn(batch, KV_HEADS, context, HEAD_DIM, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    q4 = q[:, :, None]
+    candidates["torch_sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+    if device.type == "cuda":
+        flash = _flash_attn()
+        if flash is not None:
+            qf = q[:, None]
+            candidates["flash_attn"] = lambda: flash.flash_attn_with_kvcache(
+                qf, k_cache, v_cache, cache_seqlens=lens, block_table=table, causal=True)
+        infer = _flashinfer()
+        if infer is not None:
+            try:
+                candidates["flashinfer"] = _flashinfer_decode(infer, q, k_cache, v_cache, table, context)
+            except Exception:  # an API this version does not have: no FlashInfer row
+                pass
+    moved = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size() + 2 * q.numel() * q.element_size()
+    return candidates, {"bytes": moved, "flops": 4 * batch * Q_HEADS * HEAD_DIM * context}, args
+
+
+def _flashinfer_decode(infer: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       table: torch.Tensor, context: int) -> Callable[[], Any]:
+    batch = q.shape[0]
+    blocks = table.shape[1]
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
+    wrapper = infer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    indptr = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * blocks
+    last = torch.full((batch,), context - (blocks - 1) * BLOCK_SIZE, device=q.device, dtype=torch.int32)
+    wrapper.plan(indptr, table.reshape(-1), last, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, q_data_type=q.dtype)
+    return lambda: wrapper.run(q, (k_cache, v_cache))
+
+
+def _prefill(seqs: int, length: int, dtype: torch.dtype, device: torch.device) -> tuple[dict, dict, tuple]:
+    k_cache, v_cache, table = _paged_cache(seqs, length, dtype, device)
+    q = torch.randn(seqs * length, Q_HEADS, HEAD_DIM, device=device, dtype=dtype)
+    cu = torch.arange(seqs + 1, device=device, dtype=torch.int32) * length
+    lens = torch.full((seqs,), length, device=device, dtype=torch.int32)
+    args = (q, k_cache, v_cache, table, cu, lens, HEAD_DIM**-0.5, None, None, None, length, length)
+    candidates: dict[str, Callable[[], Any]] = {
+        "hw_agnostic": lambda: paged_attention(q, k_cache, v_cache, table, cu, lens, max_q_len=length,
+                                               max_kv_len=length),
+    }
+    q4 = q.view(seqs, length, Q_HEADS, HEAD_DIM).transpose(1, 2)
+    k = torch.randn(seqs, KV_HEADS, length, HEAD_DIM, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    candidates["torch_sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(
+        q4, k, v, is_causal=True, enable_gqa=True)
+    if device.type == "cuda":
+        flash = _flash_attn()
+        if flash is not None:
+            kf = k.transpose(1, 2).reshape(seqs * length, KV_HEADS, HEAD_DIM)
+            vf = v.transpose(1, 2).reshape(seqs * length, KV_HEADS, HEAD_DIM)
+            candidates["flash_attn"] = lambda: flash.flash_attn_varlen_func(
+                q, kf, vf, cu, cu, length, length, causal=True)
+    flops = 2 * 2 * seqs * Q_HEADS * HEAD_DIM * length * (length + 1) / 2
+    moved = 3 * q.numel() * q.element_size() + 2 * k.numel() * k.element_size()
+    return candidates, {"bytes": moved, "flops": flops}, args
+
+
+def _write(tokens: int, dtype: torch.dtype, device: torch.device) -> tuple[Callable[[], Any], int, tuple]:
+    blocks = -(-tokens // BLOCK_SIZE) + 1
+    k_cache = torch.zeros(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.randn(tokens, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
+    value = torch.randn_like(key)
+    slots = torch.randperm(blocks * BLOCK_SIZE, device=device)[:tokens]
+    args = (key, value, k_cache, v_cache, slots)
+    return lambda: write_kv_cache(*args), 4 * key.numel() * key.element_size(), args
+
+
+def run(device: torch.device, *, quick: bool, log: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+    """Yield one long-format row per (op, shape, dtype, provider)."""
+    dtype = torch.bfloat16
+    grid = _grid(device, quick)
+    element = torch.finfo(dtype).bits // 8
+    for index, (kind, count, length) in enumerate(grid, 1):
+        cache_bytes = count * length * KV_HEADS * HEAD_DIM * element  # per K or V cache
+        if cache_bytes > MAX_CACHE_BYTES:
+            log(f"[{index}/{len(grid)}] skip {kind} {count}x{length}: {cache_bytes / 2**30:.0f} GiB per cache")
+            continue
+        log(f"[{index}/{len(grid)}] paged_attention {kind} {'batch' if kind == 'decode' else 'seqs'}={count} "
+            f"{'context' if kind == 'decode' else 'tokens'}={length}")
+        with torch.inference_mode():
+            build = _decode if kind == "decode" else _prefill
+            candidates, work, args = build(count, length, dtype, device)
+            plan = paged_attention_op.plan(*args)
+            for row in _measure(candidates, device):
+                tokens, width = (count, length) if kind == "decode" else (length, count)
+                yield {
+                    "suite": "attention", "op": f"paged_attention {kind}", "shape": f"{count}x{length}",
+                    "tokens": tokens, "width": width, "dtype": str(dtype).removeprefix("torch."),
+                    "provider": row["provider"],
+                    "ran": plan.provider if row["provider"] == "hw_agnostic" else row["provider"],
+                    "config_source": plan.config.describe() if row["provider"] == "hw_agnostic" and plan.config else "",
+                    "config": str(plan.config.config) if row["provider"] == "hw_agnostic" and plan.config else "",
+                    "time_us": row["time_us"], "first_call_s": row["first_call_s"], "bytes": work["bytes"],
+                    "gbps": work["bytes"] / (row["time_us"] * 1e-6) / 1e9, "flops": work["flops"],
+                    "tflops": work["flops"] / (row["time_us"] * 1e-6) / 1e12, "error": row.get("error", ""),
+                }
+    for tokens in ((1, 512) if device.type == "cpu" else (1, 64, 8192)):
+        fn, moved, args = _write(tokens, dtype, device)
+        plan = write_kv_cache_op.plan(*args)
+        log(f"write_kv_cache {tokens} tokens")
+        with torch.inference_mode():
+            first = first_call_s(fn, device)
+            us = median_time_us(fn, device)
+        yield {
+            "suite": "attention", "op": "write_kv_cache", "shape": f"{tokens}x{KV_HEADS * HEAD_DIM}",
+            "tokens": tokens, "width": KV_HEADS * HEAD_DIM, "dtype": str(dtype).removeprefix("torch."),
+            "provider": "hw_agnostic", "ran": plan.provider,
+            "config_source": plan.config.describe() if plan.config else "", "time_us": us, "first_call_s": first,
+            "bytes": moved, "gbps": moved / (us * 1e-6) / 1e9,
+        }
+
+
+def _measure(candidates: dict[str, Callable[[], Any]], device: torch.device) -> Iterator[dict[str, Any]]:
+    for provider, fn in candidates.items():
+        try:
+            first = first_call_s(fn, device)
+            us = median_time_us(fn, device)
+        except Exception as err:  # a baseline that does not support this shape or build
+            yield {"provider": provider, "time_us": math.nan, "first_call_s": math.nan, "error": str(err)}
+            continue
+        yield {"provider": provider, "time_us": us, "first_call_s": first}

@@ -1,0 +1,353 @@
+"""Helion kernels for the paged KV cache: the cache write, paged attention, and the split-KV merge.
+
+Why Helion and not raw Triton: the attention loop needs gathers through the block table
+(``k_cache[block_table[s, n // page] * page + n % page]``), data-dependent loop bounds (each
+sequence's causal / sliding-window range) and masked loads and stores; Helion expresses all of
+them, generates the Triton we would have written by hand, and is tested in *both* CPU tiers
+(``TRITON_INTERPRET=1`` runs the generated Triton, ``HELION_INTERPRET=1`` the kernel body as
+eager PyTorch), where a raw ``@triton.jit`` kernel only runs in the first.
+
+Layouts (the op module builds these views without copying):
+
+* ``q``, ``out``: ``[tokens * num_q_heads, head_dim]``: row ``t * Hq + h``.
+* caches: ``[num_blocks * block_size, num_kv_heads, head_dim]``: the paged cache
+  ``[num_blocks, block_size, Hkv, D]`` with its first two dims merged (slot = block * block_size
+  + offset); any strides otherwise.
+* ``block_table [num_seqs, max_blocks]`` int32, ``cu_seqlens_q [num_seqs + 1]`` and
+  ``kv_lens [num_seqs]`` int32.
+
+One program of :func:`_paged_attention` owns one sequence, one KV head, one KV split and a tile of
+*packed* query rows: row ``p`` is query token ``p // group`` of the sequence and query head
+``kv_head * group + p % group``, so the ``group`` query heads sharing a KV head share every K/V
+load (GQA packing; a decode step still gives the dot products ``group`` rows). Query token ``i``
+of a sequence with ``q_len`` queries and ``kv_len`` keys sits at position ``kv_len - q_len + i``;
+it sees key ``j`` when ``j <= pos`` and, with a sliding window ``W``, ``j > pos - W``. The KV loop
+only visits the range some row of the tile can see (causal and window skipping).
+
+Softmax runs online in fp32, in base 2 (``exp2``; the scale carries ``log2(e)``). Attention
+sinks (gpt-oss) start each row's running max at the head's sink logit with a running sum of 1:
+the sink joins the denominator and contributes no value; without sinks the op passes ``-inf``
+logits (running sum 0), and without a window a window longer than any sequence, so neither is a
+compile-time variant. Logit softcap (Gemma-2) is applied to
+the scaled logits, ``softcap * tanh(s / softcap)``, before masking.
+
+Split-KV (flash-decoding): with ``num_splits > 1`` the grid gains a split dimension; split ``k``
+of a sequence covers keys ``[k * c, (k + 1) * c)`` with ``c = ceil(kv_len / num_splits)`` computed
+on the device from ``kv_len`` (so a CUDA graph captured once stays right as sequences grow), and
+writes its normalised partial output and log-sum-exp; :func:`_merge_splits` combines the splits
+(and the sink) per row. When to split is decided by :func:`choose_num_splits` (see there).
+
+Every address that comes from data (block ids, slots, row offsets) is clamped or masked into its
+tensor, so malformed metadata gives wrong numbers, never an out-of-bounds access; the op's
+reference path validates the metadata and raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .interpret import interpreter_mode
+from .runtime import Config, HelionFunction, KernelSpec
+
+try:
+    import helion.language as hl
+except Exception:  # Helion missing or broken: the ops fall back to the reference
+    hl = None
+
+_constexpr: Any = hl.constexpr if hl is not None else int
+
+
+def _paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    sinks: torch.Tensor,
+    out: torch.Tensor,
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    scale: float,
+    softcap: float,
+    window: int,
+    packed_rows: int,
+    num_splits: int,
+    group: _constexpr,
+    page: _constexpr,
+    has_softcap: _constexpr,
+    split: _constexpr,
+) -> None:
+    num_seqs = kv_lens.size(0)
+    num_kv_heads = k_cache.size(1)
+    head_dim = hl.specialize(q.size(1))
+    q_rows = q.size(0)
+    num_slots = k_cache.size(0)
+    max_blocks = block_table.size(1)
+    for tile_s, tile_h, tile_k, tile_p in hl.tile(
+        [num_seqs, num_kv_heads, num_splits, packed_rows], block_size=[1, 1, 1, None]
+    ):
+        seq = tile_s.begin
+        kv_head = tile_h.begin
+        split_id = tile_k.begin
+        q_start = cu_seqlens_q[seq]
+        q_len = cu_seqlens_q[seq + 1] - q_start
+        kv_len = kv_lens[seq]
+        token = tile_p.index // group
+        head = kv_head * group + tile_p.index % group
+        rows = (q_start + token).to(torch.int64) * (num_kv_heads * group) + head
+        row_ok = (token < q_len) & (rows >= 0) & (rows < q_rows)
+        dims = hl.arange(head_dim).to(torch.int64)
+        dims_ok = dims < head_dim
+        q_tile = hl.load(q, [rows, dims], extra_mask=row_ok[:, None] & dims_ok[None, :])
+        position = kv_len - q_len + token
+
+        # Keys some row of this tile can see, within this program's split.
+        chunk = (kv_len + num_splits - 1) // num_splits
+        kv_begin = split_id * chunk
+        kv_end = torch.minimum(kv_begin + chunk, kv_len)
+        kv_end = torch.minimum(kv_end, kv_len - q_len + ((tile_p.end - 1) // group + 1))
+        kv_begin = torch.maximum(kv_begin, kv_len - q_len + (tile_p.begin // group - window + 1))
+        # A tile past the sequence's queries (the grid is sized for the longest) has nothing to do.
+        kv_end = torch.where(q_len > tile_p.begin // group, kv_end, 0)
+        kv_begin = torch.minimum(kv_begin, kv_end)  # an empty range, never a reversed one
+
+        if split:  # the merge adds the sinks
+            row_max = hl.full([tile_p], float("-inf"), dtype=torch.float32)
+            row_sum = hl.zeros([tile_p], dtype=torch.float32)
+        else:  # no sinks: the op passes -inf logits
+            row_max = hl.load(sinks, [head]).to(torch.float32) * 1.4426950408889634
+            row_sum = torch.where(row_max == float("-inf"), 0.0, 1.0)
+        acc = hl.zeros([tile_p, head_dim], dtype=torch.float32)
+        for tile_n in hl.tile(kv_begin, kv_end):
+            keys = tile_n.index
+            column = torch.clamp(keys // page, 0, max_blocks - 1)
+            block = hl.load(block_table, [seq, column]).to(torch.int64)
+            slot = torch.clamp(block * page + keys % page, 0, num_slots - 1)
+            k_tile = hl.load(k_cache, [slot, kv_head, dims], extra_mask=dims_ok[None, :])
+            v_tile = hl.load(v_cache, [slot, kv_head, dims], extra_mask=dims_ok[None, :])
+            logits = hl.dot(q_tile, k_tile.T, out_dtype=torch.float32)
+            if has_softcap:
+                logits = softcap * torch.tanh(logits * (scale / softcap)) * 1.4426950408889634
+            else:
+                logits = logits * (scale * 1.4426950408889634)
+            visible = (keys[None, :] <= position[:, None]) & (keys[None, :] > position[:, None] - window)
+            visible = visible & row_ok[:, None]
+            logits = torch.where(visible, logits, float("-inf"))
+            new_max = torch.maximum(row_max, torch.amax(logits, dim=1))
+            # A row that has seen nothing yet keeps -inf; shift by 0 so exp2 gives 0, not NaN.
+            shift = torch.where(new_max == float("-inf"), 0.0, new_max)
+            probs = torch.exp2(logits - shift[:, None])
+            rescale = torch.exp2(row_max - shift)
+            row_sum = row_sum * rescale + torch.sum(probs, dim=1)
+            acc = acc * rescale[:, None] + hl.dot(probs.to(v_tile.dtype), v_tile, out_dtype=torch.float32)
+            row_max = new_max
+
+        normaliser = torch.where(row_sum == 0.0, 1.0, row_sum)
+        result = acc / normaliser[:, None]
+        if split:
+            lse = torch.where(row_sum == 0.0, float("-inf"), row_max + torch.log2(normaliser))
+            part = tile_p.index.to(torch.int64)
+            hl.store(partial_lse, [seq, kv_head, split_id, part], lse, extra_mask=row_ok)
+            hl.store(partial_out, [seq, kv_head, split_id, part, dims], result,
+                     extra_mask=row_ok[:, None] & dims_ok[None, :])
+        else:
+            hl.store(out, [rows, dims], result.to(out.dtype), extra_mask=row_ok[:, None] & dims_ok[None, :])
+
+
+def _merge_splits(
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    sinks: torch.Tensor,
+    out: torch.Tensor,
+    group: _constexpr,
+) -> None:
+    num_seqs, num_kv_heads, num_splits, packed_rows = partial_lse.size()
+    head_dim = hl.specialize(out.size(1))
+    q_rows = out.size(0)
+    split_block = hl.register_block_size(num_splits)
+    for tile_s, tile_h, tile_p in hl.tile([num_seqs, num_kv_heads, packed_rows], block_size=[1, 1, None]):
+        seq = tile_s.begin
+        kv_head = tile_h.begin
+        q_start = cu_seqlens_q[seq]
+        q_len = cu_seqlens_q[seq + 1] - q_start
+        token = tile_p.index // group
+        head = kv_head * group + tile_p.index % group
+        rows = (q_start + token).to(torch.int64) * (num_kv_heads * group) + head
+        row_ok = (token < q_len) & (rows >= 0) & (rows < q_rows)
+        dims = hl.arange(head_dim).to(torch.int64)
+        dims_ok = dims < head_dim
+        sink = hl.load(sinks, [head]).to(torch.float32) * 1.4426950408889634
+        row_max = sink
+        for tile_k in hl.tile(num_splits, block_size=split_block):
+            lse = partial_lse[seq, kv_head, tile_k, tile_p]
+            row_max = torch.maximum(row_max, torch.amax(lse, dim=0))
+        shift = torch.where(row_max == float("-inf"), 0.0, row_max)
+        row_sum = torch.exp2(sink - shift)  # 0 for an absent (-inf) sink
+        acc = hl.zeros([tile_p, head_dim], dtype=torch.float32)
+        for tile_k in hl.tile(num_splits, block_size=split_block):
+            weight = torch.exp2(partial_lse[seq, kv_head, tile_k, tile_p] - shift[None, :])
+            row_sum = row_sum + torch.sum(weight, dim=0)
+            part = hl.load(partial_out, [seq, kv_head, tile_k, tile_p, dims], extra_mask=dims_ok[None, None, :])
+            acc = acc + torch.sum(weight[:, :, None] * part, dim=0)
+        result = acc / torch.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+        hl.store(out, [rows, dims], result.to(out.dtype), extra_mask=row_ok[:, None] & dims_ok[None, :])
+
+
+def _write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    num_tokens, num_kv_heads, head_dim = key.size()
+    num_slots = k_cache.size(0)
+    for tile_t, tile_h in hl.tile([num_tokens, num_kv_heads]):
+        slot = slot_mapping[tile_t].to(torch.int64)
+        keep = (slot >= 0) & (slot < num_slots)
+        slot = torch.where(keep, slot, 0)
+        heads = tile_h.index.to(torch.int64)
+        for tile_d in hl.tile(head_dim):
+            dims = tile_d.index.to(torch.int64)
+            hl.store(k_cache, [slot, heads, dims], key[tile_t, tile_h, tile_d], extra_mask=keep[:, None, None])
+            hl.store(v_cache, [slot, heads, dims], value[tile_t, tile_h, tile_d], extra_mask=keep[:, None, None])
+
+
+# fp32 dots in exact fp32: Triton's TF32 default would put fp32 attention outside the fp32 tolerance.
+paged_attention_kernel = HelionFunction(_paged_attention, dot_precision="ieee")
+merge_splits_kernel = HelionFunction(_merge_splits)
+write_kv_cache_kernel = HelionFunction(_write_kv_cache)
+
+
+# --------------------------------------------------------------------------------------------
+# the split-KV heuristic
+
+#: A split below this many keys costs more in the merge than it gains in parallelism.
+MIN_TOKENS_PER_SPLIT = 512
+MAX_SPLITS = 32
+
+
+def target_programs(device: torch.device) -> int:
+    """How many (sequence, KV head) programs it takes to fill ``device``: two per SM on GPUs."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type == "xpu" and hasattr(torch, "xpu") and torch.xpu.is_available():
+        return 2 * getattr(torch.xpu.get_device_properties(device), "gpu_subslice_count", 64)
+    return 16  # the CPU interpreters: a token number, the tests force splits through configs
+
+
+def choose_num_splits(*, decode: bool, num_seqs: int, num_kv_heads: int, max_kv_len: int, programs: int) -> int:
+    """Flash-decoding's rule: split the KV range only where the grid would leave the device idle.
+
+    A decode batch (one query per sequence) has ``num_seqs * num_kv_heads`` programs; when that is
+    below ``programs`` (two per SM) and the context is long, each sequence's keys are cut into
+    ``min(ceil(programs / (num_seqs * num_kv_heads)), ceil(max_kv_len / 512), 32)`` splits, merged by
+    a second small kernel. Prefill and mixed batches have enough query tiles and never split.
+    """
+    work = max(num_seqs * num_kv_heads, 1)
+    if not decode or work >= programs or max_kv_len < 2 * MIN_TOKENS_PER_SPLIT:
+        return 1
+    by_parallelism = -(-programs // work)
+    by_length = -(-max_kv_len // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(by_parallelism, by_length, MAX_SPLITS))
+
+
+# --------------------------------------------------------------------------------------------
+# configs
+#
+# paged_attention keys: {"dtype", "head_dim", "group", "block_size", "decode", "kv_len", "tokens"}
+# (kv_len bucketed like tokens). Configs: {"block_sizes": [rows, keys], "num_warps", "num_stages",
+# "num_splits": "auto" | int}; "auto" applies choose_num_splits on the calling device.
+# write_kv_cache keys: {"dtype", "head_dim", "num_kv_heads", "tokens"}.
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _query_rows(key: Mapping[str, Any]) -> int:
+    group = int(key["group"])
+    if key.get("decode"):
+        return max(16, _pow2(group))
+    return 64 if group <= 4 else 128
+
+
+def default_paged_attention_config(key: Mapping[str, Any]) -> Config:
+    head_dim = int(key["head_dim"])
+    rows = _query_rows(key)
+    if interpreter_mode() == "triton":
+        # The interpreter pays per element for the row max (a reduction with a custom combine
+        # function runs element by element) and per op for everything else: no padding rows in
+        # decode tiles, moderate tiles otherwise.
+        rows = _pow2(int(key["group"])) if key.get("decode") else 32
+        return {"block_sizes": [rows, 64], "num_warps": 4, "num_stages": 1, "num_splits": "auto"}
+    keys = 64 if head_dim <= 128 else 32
+    warps = 4 if rows * head_dim <= 64 * 128 else 8
+    return {"block_sizes": [rows, keys], "num_warps": warps, "num_stages": 2 if key.get("decode") else 3,
+            "num_splits": "auto"}
+
+
+def paged_attention_candidates(key: Mapping[str, Any]) -> list[Config]:
+    candidates = [default_paged_attention_config(key)]
+    decode = bool(key.get("decode"))
+    group = int(key["group"])
+    row_choices = (max(16, _pow2(group)), max(32, _pow2(group))) if decode else (32, 64, 128)
+    split_choices: tuple[Any, ...] = ("auto", 1, 2, 4, 8, 16, 32) if decode else ("auto",)
+    for rows in row_choices:
+        for keys in (16, 32, 64, 128):
+            for warps in (2, 4, 8):
+                for stages in (1, 2, 3, 4):
+                    for splits in split_choices:
+                        config = {"block_sizes": [rows, keys], "num_warps": warps, "num_stages": stages,
+                                  "num_splits": splits}
+                        if config not in candidates:
+                            candidates.append(config)
+    return candidates
+
+
+def default_write_kv_cache_config(key: Mapping[str, Any]) -> Config:
+    head_dim, heads, tokens = int(key["head_dim"]), int(key["num_kv_heads"]), max(int(key["tokens"]), 1)
+    block_d = _pow2(head_dim)
+    block_h = min(_pow2(heads), max(1, 1024 // block_d))
+    budget = 16384 if interpreter_mode() == "triton" else 2048
+    block_t = min(_pow2(tokens), max(1, budget // (block_h * block_d)))
+    return {"block_sizes": [block_t, block_h, block_d], "num_warps": 4, "num_stages": 1}
+
+
+def write_kv_cache_candidates(key: Mapping[str, Any]) -> list[Config]:
+    head_dim, tokens = int(key["head_dim"]), max(int(key["tokens"]), 1)
+    candidates = [default_write_kv_cache_config(key)]
+    for block_t in (1, 2, 4, 8, 16):
+        if block_t > _pow2(tokens):
+            continue
+        for block_h in (1, 2, 4, 8):
+            for warps in (1, 2, 4, 8):
+                config = {"block_sizes": [block_t, block_h, _pow2(head_dim)], "num_warps": warps, "num_stages": 1}
+                if config not in candidates:
+                    candidates.append(config)
+    return candidates
+
+
+def split_launch_config(config: Config) -> tuple[Any, Config]:
+    """``num_splits`` (ours) and the Helion config proper."""
+    helion_config = dict(config)
+    return helion_config.pop("num_splits", "auto"), helion_config
+
+
+def merge_config(num_splits: int, packed_rows: int) -> Config:
+    """The merge kernel's config (not tuned: it moves ``num_splits`` partial rows per output row)."""
+    return {"block_sizes": [_pow2(num_splits), min(_pow2(max(packed_rows, 1)), 64)], "num_warps": 4,
+            "num_stages": 1}
+
+
+PAGED_ATTENTION = KernelSpec(
+    "paged_attention", (_paged_attention, _merge_splits), default_paged_attention_config, paged_attention_candidates
+)
+WRITE_KV_CACHE = KernelSpec(
+    "write_kv_cache", (_write_kv_cache,), default_write_kv_cache_config, write_kv_cache_candidates
+)

@@ -1,0 +1,661 @@
+"""``write_kv_cache`` and ``paged_attention``: the paged KV cache and attention over it.
+
+The paged cache
+===============
+
+``k_cache`` and ``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``. Token slot
+``s`` is ``(s // block_size, s % block_size)``; a sequence's keys live in the blocks its row of
+``block_table [num_seqs, max_blocks]`` (int32) lists, key ``j`` in block ``block_table[seq, j //
+block_size]`` at offset ``j % block_size``. Any block size from 1 up works; the kernels are tuned
+for 16 to 256.
+
+``write_kv_cache(key, value, k_cache, v_cache, slot_mapping)`` writes token ``t`` of ``key`` /
+``value`` (``[tokens, num_kv_heads, head_dim]``) into slot ``slot_mapping[t]`` of the caches, in
+place; a negative slot marks a padding token and is skipped.
+
+``paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, ...)`` attends a
+varlen batch mixing prefill and decode sequences. ``q`` is ``[tokens, num_q_heads, head_dim]``;
+sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` and has ``kv_lens[s]`` keys
+in the cache (its new tokens included: write them first). Queries are right-aligned with the
+keys: query ``i`` of a sequence with ``q_len`` queries sits at position ``kv_len - q_len + i`` and
+sees key ``j`` when ``j <= position`` (causal) and, with ``sliding_window=W``, ``j > position - W``
+(W keys, itself included, as Hugging Face's sliding masks). Query head ``h`` reads KV head
+``h // (num_q_heads // num_kv_heads)`` (GQA / MQA at any ratio). Logits are ``scale * q.k``, then
+``softcap * tanh(logits / softcap)`` with a softcap (Gemma-2); ``sinks[h]`` (gpt-oss) is one more
+logit in head ``h``'s softmax denominator with no value. Softmax and accumulation run in fp32
+(fp64 for fp64 inputs); the output has ``q``'s dtype. Rows no sequence owns, and queries that see
+no key (``q_len > kv_len``), are 0.
+
+What is checked where
+=====================
+
+* Every call (every provider, also while ``torch.compile`` traces): metadata only, never a
+  device sync: dtypes (float ``q`` and caches of one dtype, int32 ``block_table`` /
+  ``cu_seqlens_q`` / ``kv_lens``), ranks, devices, head counts and head dims (``q`` against the
+  cache), ``v_cache`` against ``k_cache``, one row of ``block_table`` per sequence, a block table
+  wide enough for ``max_kv_len`` when it is given, the scalars.
+* The reference path (CPU, and any call no kernel accepts) also checks the *data*, since it
+  synchronises anyway: ``cu_seqlens_q`` non-decreasing within ``q``, every block a sequence uses
+  within ``[0, num_blocks)``, ``kv_lens`` within the block table; slots within the cache and not
+  repeated. :func:`validate_paged_attention_inputs` / :func:`validate_slot_mapping` run the same
+  checks on demand, e.g. while debugging a GPU run.
+* The kernel path does not read data on the host, so a decode step can be captured in a CUDA
+  graph. Out-of-range block ids and slots are clamped or masked inside the kernels, so bad
+  metadata gives wrong numbers, never an out-of-bounds access or a corrupted neighbour.
+
+Dispatch and hints
+==================
+
+``max_q_len`` / ``max_kv_len`` are optional Python ints (no tensor is read to get them). They
+size the grid (``max_q_len``, default: the number of query rows) and choose between the one-pass
+kernel and the split-KV (flash-decoding) kernel (see
+:func:`hw_agnostic.kernels.paged_attention.choose_num_splits`); a batch of single-query sequences
+is a decode batch. A hint smaller than the truth is an error of the caller (queries or keys past
+it are not computed); a larger one only costs time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from ..autotune.keys import token_bucket
+from ..kernels import paged_attention as kernels
+from ..kernels.runtime import helion_available
+from . import checks
+from .registry import Op, Provider
+
+INDEX_DTYPES = (torch.int32,)
+SLOT_DTYPES = (torch.int32, torch.int64)
+MIN_KERNEL_HEAD_DIM = 16  # tensor-core dot products need K >= 16
+MAX_KERNEL_HEAD_DIM = 256
+NO_WINDOW = 1 << 30  # the kernels' window when there is none: longer than any sequence
+MAX_REFERENCE_SCORES = 1 << 24  # logits per chunk in the reference: bounds its memory on long contexts
+
+
+# --------------------------------------------------------------------------------------------
+# data checks (they synchronise: the reference path and debugging only)
+
+
+def validate_slot_mapping(op: str, slot_mapping: Tensor, num_slots: int) -> None:
+    """Raise ``ValueError`` if a slot is past the cache or two tokens write one slot."""
+    slots = slot_mapping[slot_mapping >= 0]
+    if slots.numel() == 0:
+        return
+    largest = int(slots.max())
+    if largest >= num_slots:
+        raise ValueError(
+            f"{op}: slot_mapping holds slot {largest}, past the cache's {num_slots} slots "
+            "(num_blocks * block_size); negative slots mark padding"
+        )
+    if torch.unique(slots).numel() != slots.numel():
+        raise ValueError(f"{op}: slot_mapping writes one slot twice; every token needs its own slot")
+
+
+def validate_paged_attention_inputs(
+    q: Tensor, k_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor, kv_lens: Tensor
+) -> None:
+    """The data checks of the reference path (they read the metadata on the host)."""
+    op = "paged_attention"
+    bounds = cu_seqlens_q.tolist()
+    if any(b < 0 or b > q.shape[0] for b in bounds) or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(
+            f"{op}: cu_seqlens_q must be non-decreasing offsets into q's {q.shape[0]} rows; got {bounds}"
+        )
+    block_size, num_blocks = k_cache.shape[1], k_cache.shape[0]
+    max_blocks = block_table.shape[1]
+    for seq, kv_len in enumerate(kv_lens.tolist()):
+        if kv_len < 0:
+            raise ValueError(f"{op}: kv_lens[{seq}] is {kv_len}; lengths must be >= 0")
+        used = -(-kv_len // block_size)
+        if used > max_blocks:
+            raise ValueError(
+                f"{op}: kv_lens[{seq}] = {kv_len} needs {used} blocks of {block_size} but block_table has "
+                f"{max_blocks} columns"
+            )
+        row = block_table[seq, :used]
+        bad = (row < 0) | (row >= num_blocks)
+        if bool(bad.any()):
+            column = int(bad.nonzero()[0])
+            raise ValueError(
+                f"{op}: block_table[{seq}, {column}] = {int(row[column])} is not a block of the cache "
+                f"(num_blocks = {num_blocks})"
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# the specs
+
+
+def write_kv_cache_reference(
+    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    validate_slot_mapping("write_kv_cache", slot_mapping, k_cache.shape[0] * k_cache.shape[1])
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+
+
+def paged_attention_reference(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    cu_seqlens_q: Tensor,
+    kv_lens: Tensor,
+    scale: float,
+    sliding_window: Optional[int],
+    softcap: Optional[float],
+    sinks: Optional[Tensor],
+    max_q_len: Optional[int],
+    max_kv_len: Optional[int],
+) -> Tensor:
+    validate_paged_attention_inputs(q, k_cache, block_table, cu_seqlens_q, kv_lens)
+    compute = torch.promote_types(q.dtype, torch.float32)
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros(q.shape, dtype=compute, device=q.device)
+    bounds = cu_seqlens_q.tolist()
+    for seq, kv_len in enumerate(kv_lens.tolist()):
+        start, end = bounds[seq], bounds[seq + 1]
+        if end == start:
+            continue
+        blocks = block_table[seq, : -(-kv_len // block_size)].long()
+        keys = k_cache[blocks].flatten(0, 1)[:kv_len].to(compute)  # [kv_len, Hkv, D]
+        values = v_cache[blocks].flatten(0, 1)[:kv_len].to(compute)
+        rows_per_chunk = max(1, MAX_REFERENCE_SCORES // max(num_q_heads * kv_len, 1))
+        for chunk in range(start, end, rows_per_chunk):
+            stop = min(chunk + rows_per_chunk, end)
+            queries = q[chunk:stop].to(compute).view(stop - chunk, num_kv_heads, group, head_dim)
+            logits = torch.einsum("qkgd,nkd->kgqn", queries, keys) * scale  # [Hkv, G, rows, kv_len]
+            if softcap is not None:
+                logits = softcap * torch.tanh(logits / softcap)
+            positions = torch.arange(chunk - start, stop - start, device=q.device) + (kv_len - (end - start))
+            key_index = torch.arange(kv_len, device=q.device)
+            visible = key_index[None, :] <= positions[:, None]
+            if sliding_window is not None:
+                visible = visible & (key_index[None, :] > positions[:, None] - sliding_window)
+            logits = logits.masked_fill(~visible, float("-inf"))
+            if sinks is not None:
+                sink = sinks.to(compute).view(num_kv_heads, group, 1, 1).expand(-1, -1, stop - chunk, 1)
+                probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+            else:
+                probs = torch.softmax(logits, dim=-1)
+            probs = torch.nan_to_num(probs, nan=0.0)  # a query that sees no key outputs 0
+            attended = torch.einsum("kgqn,nkd->qkgd", probs, values)
+            out[chunk:stop] = attended.reshape(stop - chunk, num_q_heads, head_dim)
+    return out.to(q.dtype)
+
+
+def _paged_attention_shape(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor, kv_lens: Tensor,
+    scale: float, sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[Tensor],
+    max_q_len: Optional[int], max_kv_len: Optional[int],
+) -> Tensor:
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def _write_kv_cache_shape(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    return None
+
+
+class _EagerReference:
+    """The reference runs eagerly: its per-sequence loop reads the metadata on the host, which a
+    full-graph compile cannot trace."""
+
+    def __init__(self, op_name: str, reference: Any) -> None:
+        self.reference = reference
+
+    def __call__(self, *args: Any) -> Any:
+        return self.reference(*args)
+
+
+# --------------------------------------------------------------------------------------------
+# checks
+
+
+def _check_cache(op: str, name: str, cache: Tensor) -> None:
+    checks.tensor(op, name, cache)
+    if cache.dim() != 4:
+        raise ValueError(
+            f"{op}: {name} must be [num_blocks, block_size, num_kv_heads, head_dim]; got shape {tuple(cache.shape)}"
+        )
+    if cache.shape[1] < 1 or cache.shape[2] < 1 or cache.shape[3] < 1:
+        raise ValueError(f"{op}: {name} must have block_size, num_kv_heads and head_dim >= 1; got {tuple(cache.shape)}")
+
+
+def _check_caches(op: str, k_cache: Tensor, v_cache: Tensor) -> None:
+    _check_cache(op, "k_cache", k_cache)
+    _check_cache(op, "v_cache", v_cache)
+    checks.same_device(op, "v_cache", v_cache, "k_cache", k_cache)
+    checks.same_dtype(op, "v_cache", v_cache, "k_cache", k_cache)
+    checks.same_shape(op, "v_cache", v_cache, "k_cache", k_cache)
+
+
+def _check_index(op: str, name: str, value: Any, dim: int, reference: Tensor,
+                 dtypes: tuple[torch.dtype, ...] = INDEX_DTYPES) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in dtypes:
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{op}: {name} must have dtype {names}; got {value.dtype}")
+    if value.dim() != dim:
+        raise ValueError(f"{op}: {name} must have {dim} dimension(s); got shape {tuple(value.shape)}")
+    checks.same_device(op, name, value, "k_cache", reference)
+    return value
+
+
+def _optional_int(op: str, name: str, value: Any, minimum: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{op}: {name} must be an int or None, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{op}: {name} must be >= {minimum} (or None), got {value}")
+
+
+def check_write_kv_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    op = "write_kv_cache"
+    _check_caches(op, k_cache, v_cache)
+    for name, tensor in (("key", key), ("value", value)):
+        checks.tensor(op, name, tensor)
+        checks.same_device(op, name, tensor, "k_cache", k_cache)
+        if tensor.dim() != 3:
+            raise ValueError(f"{op}: {name} must be [tokens, num_kv_heads, head_dim]; got shape {tuple(tensor.shape)}")
+        if tuple(tensor.shape[1:]) != tuple(k_cache.shape[2:]):
+            raise ValueError(
+                f"{op}: {name} has {tensor.shape[1]} heads of dim {tensor.shape[2]} but the cache holds "
+                f"{k_cache.shape[2]} heads of dim {k_cache.shape[3]} (k_cache shape {tuple(k_cache.shape)})"
+            )
+        if tensor.dtype != k_cache.dtype:
+            raise TypeError(f"{op}: {name} must have the cache's dtype ({k_cache.dtype}); got {tensor.dtype}")
+    checks.same_shape(op, "value", value, "key", key)
+    _check_index(op, "slot_mapping", slot_mapping, 1, k_cache, SLOT_DTYPES)
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(
+            f"{op}: slot_mapping must have one slot per token ({key.shape[0]}); got {slot_mapping.shape[0]}"
+        )
+
+
+def check_paged_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor, kv_lens: Tensor,
+    scale: float, sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[Tensor],
+    max_q_len: Optional[int], max_kv_len: Optional[int],
+) -> None:
+    op = "paged_attention"
+    checks.tensor(op, "q", q)
+    if q.dim() != 3:
+        raise ValueError(f"{op}: q must be [tokens, num_q_heads, head_dim]; got shape {tuple(q.shape)}")
+    _check_caches(op, k_cache, v_cache)
+    checks.same_device(op, "k_cache", k_cache, "q", q)
+    if k_cache.dtype != q.dtype:
+        raise TypeError(f"{op}: k_cache and v_cache must have q's dtype ({q.dtype}); got {k_cache.dtype}")
+    if q.shape[2] != k_cache.shape[3]:
+        raise ValueError(
+            f"{op}: q has head_dim {q.shape[2]} but k_cache has head_dim {k_cache.shape[3]} "
+            f"(k_cache shape {tuple(k_cache.shape)})"
+        )
+    if q.shape[1] < 1 or q.shape[1] % k_cache.shape[2]:
+        raise ValueError(
+            f"{op}: q's {q.shape[1]} heads must be a positive multiple of k_cache's {k_cache.shape[2]} KV heads"
+        )
+    _check_index(op, "block_table", block_table, 2, k_cache)
+    _check_index(op, "kv_lens", kv_lens, 1, k_cache)
+    _check_index(op, "cu_seqlens_q", cu_seqlens_q, 1, k_cache)
+    num_seqs = kv_lens.shape[0]
+    if cu_seqlens_q.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"{op}: cu_seqlens_q must have num_seqs + 1 = {num_seqs + 1} entries (kv_lens has {num_seqs}); "
+            f"got {cu_seqlens_q.shape[0]}"
+        )
+    if block_table.shape[0] != num_seqs:
+        raise ValueError(f"{op}: block_table must have one row per sequence ({num_seqs}); got {block_table.shape[0]}")
+    number = checks.number(op, "scale", scale)
+    if number <= 0:
+        raise ValueError(f"{op}: scale must be > 0, got {scale}")
+    _optional_int(op, "sliding_window", sliding_window, 1)
+    if softcap is not None:
+        checks.number(op, "softcap", softcap, positive=True)
+    if sinks is not None:
+        checks.tensor(op, "sinks", sinks)
+        checks.same_device(op, "sinks", sinks, "q", q)
+        if tuple(sinks.shape) != (q.shape[1],):
+            raise ValueError(
+                f"{op}: sinks must have one logit per query head, shape ({q.shape[1]},); got {tuple(sinks.shape)}"
+            )
+    _optional_int(op, "max_q_len", max_q_len, 0)
+    _optional_int(op, "max_kv_len", max_kv_len, 0)
+    capacity = block_table.shape[1] * k_cache.shape[1]
+    if max_kv_len is not None and max_kv_len > capacity:
+        raise ValueError(
+            f"{op}: max_kv_len = {max_kv_len} but block_table's {block_table.shape[1]} columns of "
+            f"{k_cache.shape[1]}-token blocks hold at most {capacity} keys per sequence"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# keys
+
+
+def _caches_flatten(*caches: Tensor) -> bool:
+    """Whether each cache views as ``[num_blocks * block_size, heads, dim]`` (one slot stride)."""
+    return all(c.shape[0] <= 1 or c.stride(0) == c.shape[1] * c.stride(1) for c in caches)
+
+
+class WriteKey(NamedTuple):
+    device: str
+    dtype: torch.dtype
+    slot_dtype: torch.dtype
+    num_kv_heads: int
+    head_dim: int
+    caches_flatten: bool
+    tokens: int
+    int64: bool
+
+
+class AttentionKey(NamedTuple):
+    device: str
+    dtype: torch.dtype
+    head_dim: int
+    num_q_heads: int
+    num_kv_heads: int
+    block_size: int
+    softcap: bool
+    sinks_dtype: Optional[torch.dtype]
+    decode: bool
+    num_seqs: int  # bucketed
+    kv_len: int  # bucketed max_kv_len (the block table's capacity without a hint)
+    caches_flatten: bool
+    int64: bool
+    tokens: int
+
+
+def write_kv_cache_key(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> WriteKey:
+    return WriteKey(
+        key.device.type, key.dtype, slot_mapping.dtype, key.shape[1], key.shape[2], _caches_flatten(k_cache, v_cache),
+        token_bucket(key.shape[0]), checks.needs_int64(key, value, k_cache, v_cache),
+    )
+
+
+def paged_attention_key(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor, kv_lens: Tensor,
+    scale: float, sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[Tensor],
+    max_q_len: Optional[int], max_kv_len: Optional[int],
+) -> AttentionKey:
+    num_seqs = kv_lens.shape[0]
+    decode = max_q_len == 1 or (max_q_len is None and q.shape[0] <= num_seqs)
+    longest = max_kv_len if max_kv_len is not None else block_table.shape[1] * k_cache.shape[1]
+    return AttentionKey(
+        q.device.type, q.dtype, q.shape[2], q.shape[1], k_cache.shape[2], k_cache.shape[1],
+        softcap is not None, None if sinks is None else sinks.dtype, decode,
+        token_bucket(num_seqs), token_bucket(longest), _caches_flatten(k_cache, v_cache),
+        checks.needs_int64(q, k_cache, v_cache), token_bucket(q.shape[0]),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# the Helion provider
+
+
+def _attention_accepts(key: AttentionKey) -> str | None:
+    if key.dtype not in checks.KERNEL_DTYPES:
+        return f"dtype {key.dtype} not supported (kernel dtypes: fp32, fp16, bf16)"
+    if not MIN_KERNEL_HEAD_DIM <= key.head_dim <= MAX_KERNEL_HEAD_DIM:
+        return f"head_dim {key.head_dim} outside the kernel's {MIN_KERNEL_HEAD_DIM}..{MAX_KERNEL_HEAD_DIM}"
+    if not key.caches_flatten:
+        return "a cache's block and slot dims do not merge into one slot stride"
+    return None
+
+
+def _write_accepts(key: WriteKey) -> str | None:
+    if key.dtype not in checks.KERNEL_DTYPES:
+        return f"dtype {key.dtype} not supported (kernel dtypes: fp32, fp16, bf16)"
+    if not key.caches_flatten:
+        return "a cache's block and slot dims do not merge into one slot stride"
+    return None
+
+
+def _attention_tuning_key(key: AttentionKey) -> dict[str, object]:
+    return {
+        "dtype": str(key.dtype).removeprefix("torch."), "head_dim": key.head_dim,
+        "group": key.num_q_heads // key.num_kv_heads, "block_size": key.block_size, "decode": key.decode,
+        "kv_len": key.kv_len,
+    }
+
+
+def _write_tuning_key(key: WriteKey) -> dict[str, object]:
+    return {"dtype": str(key.dtype).removeprefix("torch."), "head_dim": key.head_dim, "num_kv_heads": key.num_kv_heads}
+
+
+def _slots(cache: Tensor) -> Tensor:
+    return cache.view(cache.shape[0] * cache.shape[1], cache.shape[2], cache.shape[3])
+
+
+def _build_write(key: WriteKey, config: dict, args: tuple) -> Any:
+    k, v, k_cache, v_cache, slot_mapping = args
+    launch = kernels.write_kv_cache_kernel.compile(
+        config, (k, v, _slots(k_cache), _slots(v_cache), slot_mapping), int64=key.int64
+    )
+
+    def run(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+        if key.shape[0] and k_cache.shape[0]:
+            launch(key, value, _slots(k_cache), _slots(v_cache), slot_mapping)
+
+    return run
+
+
+class _AttentionLaunch:
+    """Runs one plan: the one-pass kernel, or the split kernel and the merge."""
+
+    def __init__(self, key: AttentionKey, config: dict, args: tuple) -> None:
+        splits, self.helion_config = kernels.split_launch_config(config)
+        q, k_cache, v_cache, block_table = args[:4]
+        max_kv_len = args[11]
+        if splits == "auto":
+            splits = kernels.choose_num_splits(
+                decode=key.decode, num_seqs=args[5].shape[0], num_kv_heads=key.num_kv_heads,
+                max_kv_len=max_kv_len if max_kv_len is not None else block_table.shape[1] * key.block_size,
+                programs=kernels.target_programs(q.device),
+            )
+        self.num_splits = int(splits)
+        if self.num_splits < 1:
+            raise ValueError(f"paged_attention: num_splits must be >= 1, got {splits}")
+        self.key = key
+        self.group = key.num_q_heads // key.num_kv_heads
+        self.placeholder = torch.zeros(1, dtype=torch.float32, device=q.device)  # stands in for absent partials
+        # No sinks: -inf logits, which join no softmax.
+        self.no_sinks = torch.full((key.num_q_heads,), float("-inf"), dtype=torch.float32, device=q.device)
+        self.attention = kernels.paged_attention_kernel.compile(
+            self.helion_config, self._attention_args(*args), int64=key.int64
+        )
+        self.merge = None
+        if self.num_splits > 1:
+            launch_args = self._attention_args(*args)
+            packed = launch_args[13]
+            self.merge = kernels.merge_splits_kernel.compile(
+                kernels.merge_config(self.num_splits, packed), self._merge_args(launch_args), int64=key.int64
+            )
+
+    def _attention_args(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
+        kv_lens: Tensor, scale: float, sliding_window: Optional[int], softcap: Optional[float],
+        sinks: Optional[Tensor], max_q_len: Optional[int], max_kv_len: Optional[int], out: Tensor | None = None,
+    ) -> tuple:
+        tokens, heads, head_dim = q.shape
+        num_seqs = kv_lens.shape[0]
+        packed = (max_q_len if max_q_len is not None else tokens) * self.group
+        if out is None:
+            out = torch.zeros((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+        if self.num_splits > 1:
+            shape = (num_seqs, self.key.num_kv_heads, self.num_splits, packed)
+            partial_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+            partial_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
+        else:
+            partial_lse = partial_out = self.placeholder
+        return (
+            q.reshape(tokens * heads, head_dim), _slots(k_cache), _slots(v_cache), block_table, cu_seqlens_q,
+            kv_lens, self.no_sinks if sinks is None else sinks, out.view(tokens * heads, head_dim),
+            partial_out, partial_lse, float(scale), float(softcap) if softcap is not None else 1.0,
+            int(sliding_window) if sliding_window is not None else NO_WINDOW, packed, self.num_splits,
+            self.group, self.key.block_size, self.key.softcap, self.num_splits > 1,
+        )
+
+    def _merge_args(self, launch_args: tuple) -> tuple:
+        return (launch_args[8], launch_args[9], launch_args[4], launch_args[6], launch_args[7], self.group)
+
+    def __call__(self, *args: Any) -> Tensor:
+        q = args[0]
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        if q.shape[0] == 0 or args[5].shape[0] == 0:
+            return out
+        launch_args = self._attention_args(*args, out=out)
+        self.attention(*launch_args)
+        if self.merge is not None:
+            self.merge(*self._merge_args(launch_args))
+        return out
+
+
+def _build_attention(key: AttentionKey, config: dict, args: tuple) -> Any:
+    return _AttentionLaunch(key, config, args)
+
+
+# --------------------------------------------------------------------------------------------
+# example inputs (tuner, benchmarks, opcheck)
+
+
+def example_paged_batch(
+    q_lens: list[int], kv_lens: list[int], *, num_q_heads: int, num_kv_heads: int, head_dim: int,
+    block_size: int, dtype: torch.dtype, device: str | torch.device, spare_blocks: int = 2,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens)`` for a batch whose blocks are
+    scattered over the cache in a random order (so a kernel that ignored the table would fail)."""
+    g = generator or torch.Generator().manual_seed(0)
+    used = [-(-n // block_size) for n in kv_lens]
+    num_blocks = sum(used) + spare_blocks
+    width = max(used + [1])
+    order = torch.randperm(num_blocks, generator=g)
+    table = torch.zeros(len(kv_lens), width, dtype=torch.int32)
+    taken = 0
+    for seq, count in enumerate(used):
+        table[seq, :count] = order[taken:taken + count]
+        taken += count
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=g).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    return tuple(t.to(device) for t in (q, k_cache, v_cache, table, cu, lens))  # type: ignore[return-value]
+
+
+def _example_attention(tokens: int, width: int, dtype: torch.dtype, device: str) -> tuple:
+    """``tokens`` query rows at head dim ``width``: a decode batch of ``tokens`` sequences up to 256
+    tokens, else one prefill sequence; GQA 4:1."""
+    on_cpu = torch.device(device).type == "cpu"
+    heads_kv = 2 if on_cpu else 8
+    context = 20 if on_cpu else 2048  # on the CPU: across a block boundary, and cheap in the interpreters
+    if tokens <= 256:
+        q_lens, kv_lens = [1] * tokens, [context + 7 * i for i in range(tokens)]
+    else:
+        q_lens, kv_lens = [tokens], [tokens]
+    batch = example_paged_batch(q_lens, kv_lens, num_q_heads=4 * heads_kv, num_kv_heads=heads_kv, head_dim=width,
+                                block_size=16, dtype=dtype, device=device)
+    return (*batch, width**-0.5, None, None, None, max(q_lens), max(kv_lens))
+
+
+def _example_write(tokens: int, width: int, dtype: torch.dtype, device: str) -> tuple:
+    g = torch.Generator().manual_seed(tokens)
+    heads, block_size = 2, 16
+    num_blocks = -(-tokens // block_size) + 2
+    key = torch.randn(tokens, heads, width, generator=g).to(dtype)
+    value = torch.randn(tokens, heads, width, generator=g).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    if tokens > 1:
+        slots[tokens // 2] = -1
+    k_cache = torch.zeros(num_blocks, block_size, heads, width, dtype=dtype)
+    return tuple(t.to(device) for t in (key, value, k_cache, k_cache.clone(), slots))
+
+
+# --------------------------------------------------------------------------------------------
+# the ops
+
+write_kv_cache_op = Op(
+    "write_kv_cache", write_kv_cache_reference, check=check_write_kv_cache, key=write_kv_cache_key,
+    providers=[Provider(
+        "helion", _build_write, interpreters=frozenset({"triton", "helion"}), accepts=_write_accepts,
+        kernel=kernels.WRITE_KV_CACHE, tuning_key=_write_tuning_key, available=helion_available,
+    )],
+    mutates_args=("k_cache", "v_cache"), example_inputs=_example_write, compiled_reference=_EagerReference,
+    fake=_write_kv_cache_shape,
+)
+paged_attention_op = Op(
+    "paged_attention", paged_attention_reference, check=check_paged_attention, key=paged_attention_key,
+    providers=[Provider(
+        "helion", _build_attention, interpreters=frozenset({"triton", "helion"}), accepts=_attention_accepts,
+        kernel=kernels.PAGED_ATTENTION, tuning_key=_attention_tuning_key, available=helion_available,
+    )],
+    example_inputs=_example_attention, compiled_reference=_EagerReference, fake=_paged_attention_shape,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+
+
+def write_kv_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Write ``key`` / ``value`` ``[tokens, num_kv_heads, head_dim]`` into the paged caches, in place.
+
+    Token ``t`` goes to slot ``slot_mapping[t]`` (int32 or int64): block ``slot // block_size``,
+    offset ``slot % block_size`` of ``k_cache`` / ``v_cache`` ``[num_blocks, block_size, num_kv_heads,
+    head_dim]``. A negative slot marks a padding token, which is skipped. ``key`` / ``value`` may
+    be strided views (e.g. of a fused QKV projection); they must have the caches' dtype.
+    """
+    write_kv_cache_op(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    cu_seqlens_q: Tensor,
+    kv_lens: Tensor,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    max_q_len: int | None = None,
+    max_kv_len: int | None = None,
+) -> Tensor:
+    """Causal attention of a varlen batch over a paged KV cache (see the module docstring).
+
+    Args:
+        q: ``[tokens, num_q_heads, head_dim]``, fp32/fp16/bf16 (fp64 runs on the reference).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, ``q``'s dtype.
+        block_table: ``[num_seqs, max_blocks]`` int32: the blocks of each sequence, in order.
+        cu_seqlens_q: ``[num_seqs + 1]`` int32: sequence ``s`` owns query rows
+            ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]``.
+        kv_lens: ``[num_seqs]`` int32: keys of each sequence in the cache, new tokens included.
+        scale: logit scale (default ``head_dim ** -0.5``).
+        sliding_window: each query sees its last ``sliding_window`` keys (itself included).
+        softcap: ``softcap * tanh(logits / softcap)`` (Gemma-2).
+        sinks: ``[num_q_heads]`` per-head sink logits joining the softmax denominator (gpt-oss).
+        max_q_len, max_kv_len: optional host-side bounds of the query / key lengths (they size the
+            grid and pick the decode strategy; never read from the device).
+
+    Returns:
+        ``[tokens, num_q_heads, head_dim]`` in ``q``'s dtype.
+    """
+    if scale is None:
+        scale = q.shape[-1] ** -0.5 if isinstance(q, Tensor) and q.dim() == 3 else 1.0
+    return paged_attention_op(
+        q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, scale, sliding_window, softcap, sinks,
+        max_q_len, max_kv_len,
+    )

@@ -1,0 +1,503 @@
+"""write_kv_cache and paged_attention: DSL vs reference, the spec vs Hugging Face attention, bad inputs."""
+
+from __future__ import annotations
+
+import re
+import zlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hw_agnostic import ops
+from hw_agnostic.ops.paged_attention import (
+    example_paged_batch,
+    paged_attention,
+    paged_attention_op,
+    write_kv_cache,
+    write_kv_cache_op,
+)
+from hw_agnostic.tolerances import assert_close
+from tests.harness import Case, check_provider, dsl_providers
+
+SMALL_BLOCKS = {"block_sizes": [16, 16], "num_warps": 4, "num_stages": 1, "num_splits": 1}
+
+
+def _generator(name: str) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(name.encode()))
+
+
+def attention_case(
+    name: str,
+    q_lens: list[int],
+    kv_lens: list[int],
+    *,
+    heads: tuple[int, int] = (8, 2),
+    head_dim: int = 64,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: bool = False,
+    config: dict | None = None,
+    unowned_rows: int = 0,
+    q_layout: str = "contiguous",
+    cache_layout: str = "contiguous",
+    hints: bool = True,
+) -> Case:
+    """A varlen batch: sequence ``s`` has ``q_lens[s]`` new queries and ``kv_lens[s]`` keys in the cache.
+
+    ``unowned_rows`` appends query rows no sequence owns (padding of a captured batch);
+    ``q_layout="fused"`` makes ``q`` a strided view of a fused QKV projection; ``cache_layout="view"``
+    makes the caches views into a larger buffer (as Hugging Face's paged cache hands them over), so
+    the harness also checks nothing outside them is touched.
+    """
+    num_q_heads, num_kv_heads = heads
+
+    def make():
+        g = _generator(name)
+        q, k_cache, v_cache, table, cu, lens = example_paged_batch(
+            q_lens, kv_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            block_size=block_size, dtype=dtype, device="cpu", generator=g,
+        )
+        if unowned_rows:
+            q = torch.cat([q, torch.randn(unowned_rows, num_q_heads, head_dim, generator=g).to(dtype)])
+        if q_layout == "fused":
+            width = (num_q_heads + 2 * num_kv_heads) * head_dim
+            fused = torch.randn(q.shape[0], width, generator=g).to(dtype)
+            fused[:, : num_q_heads * head_dim] = q.reshape(q.shape[0], -1)
+            q = fused[:, : num_q_heads * head_dim].view(q.shape[0], num_q_heads, head_dim)
+        if cache_layout == "view":
+            def embed(cache):
+                buffer = torch.randn(cache.shape[0] + 3, *cache.shape[1:], generator=g).to(dtype)
+                buffer[2:-1] = cache
+                return buffer[2:-1]
+            k_cache, v_cache = embed(k_cache), embed(v_cache)
+        sink_logits = torch.randn(num_q_heads, generator=g) if sinks else None
+        max_q, max_kv = (max(q_lens, default=0), max(kv_lens, default=0)) if hints else (None, None)
+        return (q, k_cache, v_cache, table, cu, lens, head_dim**-0.5, window, softcap, sink_logits, max_q, max_kv)
+
+    return Case(name, make, config)
+
+
+def split_config(num_splits: int) -> dict:
+    return {"block_sizes": [16, 16], "num_warps": 4, "num_stages": 1, "num_splits": num_splits}
+
+
+ATTENTION_CASES = [
+    # mixed prefill + decode: a chunk with cached context, a decode step, a fresh prompt; lengths
+    # across block boundaries and not multiples of the block size
+    attention_case("mixed-gqa4-fp32", [5, 1, 12], [37, 16, 12]),
+    attention_case("mixed-gqa4-bf16", [5, 1, 12], [37, 16, 12], dtype=torch.bfloat16),
+    attention_case("mixed-gqa4-fp16-small-blocks", [3, 1, 9], [33, 50, 9], dtype=torch.float16, config=SMALL_BLOCKS),
+    # one-token sequences: a one-token prompt and a decode step at length 1
+    attention_case("one-token-sequences", [1, 1, 1], [1, 2, 17]),
+    # GQA ratios 8:1 (MQA-like), 4:1, 1:1
+    attention_case("gqa8-decode-bf16", [1, 1, 1, 1], [9, 30, 64, 65], heads=(8, 1), dtype=torch.bfloat16),
+    attention_case("mha-prefill", [7, 12], [7, 40], heads=(2, 2)),
+    attention_case("gqa8-prefill-small-blocks", [9, 1], [40, 23], heads=(8, 1), config=SMALL_BLOCKS),
+    # head dims 64 (above), 80, 128, 256; block sizes 16 (above) and 64
+    attention_case("hd80-bf16", [4, 1], [21, 35], heads=(4, 2), head_dim=80, dtype=torch.bfloat16),
+    attention_case("hd128-block64", [6, 1], [70, 129], heads=(4, 1), head_dim=128, block_size=64),
+    attention_case("hd256-block64-fp16", [3, 1], [66, 20], heads=(2, 1), head_dim=256, block_size=64,
+                   dtype=torch.float16),
+    # sliding window, softcap, sinks, and all three together
+    attention_case("window", [12, 1], [40, 33], window=8),
+    attention_case("window-longer-than-context", [5, 1], [9, 4], window=64),
+    attention_case("softcap-bf16", [6, 1], [25, 18], softcap=5.0, dtype=torch.bfloat16),
+    attention_case("sinks", [4, 1, 9], [30, 17, 9], sinks=True),
+    attention_case("window-softcap-sinks-small-blocks", [10, 1], [37, 29], window=6, softcap=3.0, sinks=True,
+                   config=SMALL_BLOCKS),
+    # split-KV (flash-decoding) forced on short contexts: empty splits, sinks and windows in the merge
+    # (one kernel specialisation for all four: the split count, sinks and window are runtime values)
+    attention_case("split3-decode", [1, 1, 1], [37, 100, 5], heads=(4, 2), config=split_config(3)),
+    attention_case("split2-decode-sinks", [1, 1], [150, 70], heads=(4, 2), sinks=True, config=split_config(2)),
+    attention_case("split4-decode-window", [1, 1], [200, 90], heads=(4, 2), window=40, config=split_config(4)),
+    attention_case("split2-mixed-sinks", [4, 1], [40, 60], heads=(4, 2), sinks=True, config=split_config(2)),
+    # layouts and edge cases of the batch
+    attention_case("unowned-rows-and-empty-sequence", [3, 0, 1], [20, 12, 5], unowned_rows=2),
+    attention_case("more-queries-than-keys", [6, 1], [4, 3]),
+    attention_case("fused-q-view-cache-views", [5, 1], [21, 40], q_layout="fused", cache_layout="view"),
+    attention_case("no-hints", [5, 1], [37, 16], hints=False),
+]
+
+
+def write_case(name: str, tokens: int, *, heads: int = 2, head_dim: int = 64, block_size: int = 16,
+               num_blocks: int = 5, dtype: torch.dtype = torch.float32, slot_dtype: torch.dtype = torch.int64,
+               padding: int = 1, key_layout: str = "contiguous", cache_layout: str = "contiguous",
+               config: dict | None = None) -> Case:
+    def make():
+        g = _generator(name)
+        slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+        slots[torch.randperm(tokens, generator=g)[:padding]] = -1
+        if key_layout == "fused":  # key and value are views of a fused QKV projection
+            fused = torch.randn(tokens, 3 * heads * head_dim, generator=g).to(dtype)
+            key = fused[:, heads * head_dim: 2 * heads * head_dim].view(tokens, heads, head_dim)
+            value = fused[:, 2 * heads * head_dim:].view(tokens, heads, head_dim)
+        else:
+            key = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
+            value = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
+        shape = (num_blocks, block_size, heads, head_dim)
+        if cache_layout == "view":
+            k_cache = torch.randn(num_blocks + 2, *shape[1:], generator=g).to(dtype)[1:-1]
+            v_cache = torch.randn(num_blocks + 2, *shape[1:], generator=g).to(dtype)[1:-1]
+        else:
+            k_cache = torch.randn(shape, generator=g).to(dtype)
+            v_cache = torch.randn(shape, generator=g).to(dtype)
+        return key, value, k_cache, v_cache, slots.to(slot_dtype)
+
+    return Case(name, make, config)
+
+
+WRITE_CASES = [
+    write_case("write-fp32", 13),
+    write_case("write-bf16-int32-slots", 9, dtype=torch.bfloat16, slot_dtype=torch.int32),
+    write_case("write-fp16-hd80-small-blocks", 7, heads=3, head_dim=80, dtype=torch.float16,
+               config={"block_sizes": [2, 2, 32], "num_warps": 4, "num_stages": 1}),
+    write_case("write-fused-key-cache-views", 11, key_layout="fused", cache_layout="view", block_size=64, num_blocks=2),
+    write_case("write-all-padding", 3, padding=3),
+    write_case("write-one-token", 1, padding=0),
+    write_case("write-no-tokens", 0, padding=0),
+]
+
+
+# --------------------------------------------------------------------------------------------
+# DSL providers vs the reference
+
+
+@pytest.mark.dsl
+@pytest.mark.parametrize("provider", dsl_providers(paged_attention_op))
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=repr)
+def test_paged_attention_dsl(provider, case, device):
+    check_provider(paged_attention_op, provider, case, device)
+
+
+@pytest.mark.dsl
+@pytest.mark.parametrize("provider", dsl_providers(write_kv_cache_op))
+@pytest.mark.parametrize("case", WRITE_CASES, ids=repr)
+def test_write_kv_cache_dsl(provider, case, device):
+    check_provider(write_kv_cache_op, provider, case, device)
+
+
+@pytest.mark.dsl
+@pytest.mark.parametrize("provider", dsl_providers(paged_attention_op))
+def test_a_wrong_block_table_entry_fails_the_check(provider, device, monkeypatch):
+    """The harness catches one misplaced block: the spec sees a table with one entry changed."""
+    case = attention_case("wrong-block", [3, 1], [40, 20], heads=(4, 2))
+    reference = paged_attention_op.reference
+
+    def reference_with_a_wrong_block(q, k_cache, v_cache, table, *rest):
+        wrong = table.clone()
+        wrong[0, 1] = table[1, 0]  # a valid block of the other sequence
+        return reference(q, k_cache, v_cache, wrong, *rest)
+
+    monkeypatch.setattr(paged_attention_op, "reference", reference_with_a_wrong_block)
+    with pytest.raises(AssertionError, match="output 0"):
+        check_provider(paged_attention_op, provider, case, device)
+
+
+@pytest.mark.dsl
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    batch=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 30)), min_size=1, max_size=3),
+    window=st.sampled_from([None, 1, 5]),
+    sinks=st.booleans(),
+    num_splits=st.sampled_from([1, 2, 3]),
+    unowned_rows=st.integers(0, 2),
+)
+def test_fuzz_batches(batch, window, sinks, num_splits, unowned_rows):
+    """Random batch shapes and runtime options on one kernel specialisation per split mode (the
+    specialisations themselves are covered case by case above; each costs a compile)."""
+    from tests.conftest import kernel_device
+
+    q_lens = [q for q, _ in batch]
+    kv_lens = [max(q, kv) for q, kv in batch]
+    case = attention_case(
+        f"fuzz-{batch}-{window}-{sinks}-{num_splits}-{unowned_rows}", q_lens, kv_lens, heads=(4, 2),
+        window=window, sinks=sinks, config=split_config(num_splits), unowned_rows=unowned_rows,
+    )
+    for provider in dsl_providers(paged_attention_op):
+        check_provider(paged_attention_op, provider, case, kernel_device())
+
+
+@pytest.mark.dsl
+def test_int64_addressing(device):
+    """Caches past 2**31 elements: the last block starts past 2**31 (untouched pages cost nothing)."""
+    block_size, heads, head_dim = 16, 1, 64
+    num_blocks = 2**31 // (block_size * heads * head_dim) + 2
+    k_cache = torch.empty(num_blocks, block_size, heads, head_dim, dtype=torch.bfloat16, device=device)
+    v_cache = torch.empty_like(k_cache)
+    last = num_blocks - 1
+    g = _generator("int64")
+    key = torch.randn(10, heads, head_dim, generator=g).to(torch.bfloat16).to(device)
+    value = torch.randn(10, heads, head_dim, generator=g).to(torch.bfloat16).to(device)
+    slots = torch.arange(last * block_size, last * block_size + 10, device=device)
+    q = torch.randn(1, 4, head_dim, generator=g).to(torch.bfloat16).to(device)
+    table = torch.tensor([[last]], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    lens = torch.tensor([10], dtype=torch.int32, device=device)
+    assert write_kv_cache_op.key(key, value, k_cache, v_cache, slots).int64
+    dense_k = key.double().repeat_interleave(4, 1)
+    dense_v = value.double().repeat_interleave(4, 1)
+    probs = torch.softmax(torch.einsum("qhd,khd->hqk", q.double(), dense_k) * head_dim**-0.5, -1)
+    want = torch.einsum("hqk,khd->qhd", probs, dense_v)
+    for provider in dsl_providers(paged_attention_op):
+        with ops.use_provider(provider), ops.trace_dispatch() as ran:
+            write_kv_cache(key, value, k_cache, v_cache, slots)
+            got = paged_attention(q, k_cache, v_cache, table, cu, lens, max_q_len=1, max_kv_len=10)
+        assert [p.provider for p in ran] == [provider, provider]
+        assert torch.equal(k_cache[last, :10], key) and torch.equal(v_cache[last, :10], value)
+        assert_close(got, want, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------
+# the spec vs Hugging Face's eager attention (reference here; the kernels in the interpreter tiers)
+
+
+def _providers_here() -> list:
+    from tests.conftest import kernel_device
+
+    dsl = dsl_providers(paged_attention_op) if kernel_device() else []
+    return ["reference", *[pytest.param(p, marks=pytest.mark.dsl) for p in dsl]]
+
+
+class _Module(torch.nn.Module):
+    """The attributes HF's eager attention functions read from the attention module."""
+
+    def __init__(self, group: int, sinks: torch.Tensor | None) -> None:
+        super().__init__()
+        self.num_key_value_groups = group
+        self.head_dim = 32
+        if sinks is not None:
+            self.sinks = torch.nn.Parameter(sinks)
+
+
+@pytest.mark.parametrize("provider", _providers_here())
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gpt_oss"])
+def test_matches_hf_eager_attention(family, provider):
+    """One sequence with cached context: the paged op equals the HF eager function on dense K/V."""
+    from importlib import import_module
+
+    from transformers.masking_utils import causal_mask_function, sdpa_mask, sliding_window_causal_mask_function
+
+    from tests.conftest import kernel_device
+
+    device = "cpu" if provider == "reference" else kernel_device()
+    eager = import_module(f"transformers.models.{family}.modeling_{family}").eager_attention_forward
+    g = _generator(f"hf-{family}")
+    q_len, kv_len, heads, kv_heads, head_dim = 5, 29, 4, 2, 32
+    window = 8 if family in ("mistral", "gemma2", "gpt_oss") else None
+    softcap = 4.0 if family == "gemma2" else None
+    sinks = torch.randn(heads, generator=g) if family == "gpt_oss" else None
+    q, k_cache, v_cache, table, cu, lens = example_paged_batch(
+        [q_len], [kv_len], num_q_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, block_size=16,
+        dtype=torch.float32, device="cpu", generator=g,
+    )
+    keys = k_cache[table[0, :2].long()].flatten(0, 1)[:kv_len]
+    values = v_cache[table[0, :2].long()].flatten(0, 1)[:kv_len]
+    mask_function = sliding_window_causal_mask_function(window) if window else causal_mask_function
+    mask = sdpa_mask(batch_size=1, q_length=q_len, kv_length=kv_len, q_offset=kv_len - q_len,
+                     mask_function=mask_function, allow_is_causal_skip=False)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    kwargs = {"softcap": softcap} if softcap else {}
+    want, _ = eager(_Module(heads // kv_heads, sinks), q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                    values.transpose(0, 1)[None], additive, scaling=head_dim**-0.5, **kwargs)
+    args = [t.to(device) if isinstance(t, torch.Tensor) else t for t in (q, k_cache, v_cache, table, cu, lens)]
+    with ops.use_provider(provider, paged_attention_op), ops.trace_dispatch() as ran:
+        got = paged_attention(*args, sliding_window=window, softcap=softcap,
+                              sinks=None if sinks is None else sinks.to(device), max_q_len=q_len, max_kv_len=kv_len)
+    assert [p.provider for p in ran] == [provider]
+    torch.testing.assert_close(got.cpu(), want[0], rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# the reference's own semantics (runs everywhere)
+
+
+def test_reference_equals_dense_causal_attention_per_sequence():
+    """Each sequence of a mixed batch equals causal attention over its own dense K/V."""
+    q, k_cache, v_cache, table, cu, lens = example_paged_batch(
+        [4, 1, 6], [10, 7, 6], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
+        dtype=torch.float64, device="cpu", generator=_generator("dense"),
+    )
+    out = paged_attention(q, k_cache, v_cache, table, cu, lens)
+    for seq, (start, end, kv_len) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), lens.tolist())):
+        blocks = table[seq, : -(-kv_len // 4)].long()
+        keys = k_cache[blocks].flatten(0, 1)[:kv_len].repeat_interleave(2, 1).transpose(0, 1)
+        values = v_cache[blocks].flatten(0, 1)[:kv_len].repeat_interleave(2, 1).transpose(0, 1)
+        queries = q[start:end].transpose(0, 1)
+        mask = torch.ones(end - start, kv_len, dtype=torch.bool).tril(kv_len - (end - start))
+        want = torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
+        torch.testing.assert_close(out[start:end], want.transpose(0, 1))
+
+
+def test_rows_without_keys_and_unowned_rows_are_zero():
+    q, k_cache, v_cache, table, cu, lens = example_paged_batch(
+        [5], [2], num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=4, dtype=torch.float32, device="cpu")
+    q = torch.cat([q, torch.randn(3, 2, 16)])
+    out = paged_attention(q, k_cache, v_cache, table, cu, lens)
+    assert torch.equal(out[:3], torch.zeros(3, 2, 16))  # positions -3..-1 see no key
+    assert out[3:5].abs().sum() > 0
+    assert torch.equal(out[5:], torch.zeros(3, 2, 16))  # rows no sequence owns
+
+
+def test_write_kv_cache_skips_padding_and_leaves_other_slots():
+    k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    key, value = torch.ones(3, 1, 8), 2 * torch.ones(3, 1, 8)
+    write_kv_cache(key, value, k_cache, v_cache, torch.tensor([5, -1, 0]))
+    assert k_cache[1, 1].eq(1).all() and k_cache[0, 0].eq(1).all() and v_cache[1, 1].eq(2).all()
+    assert k_cache.sum() == 2 * 8 and v_cache.sum() == 2 * 2 * 8
+
+
+def test_custom_ops_are_registered_with_their_schemas():
+    assert "Tensor(a2!) k_cache" in str(torch.ops.hw_agnostic.write_kv_cache.default._schema)
+    out = torch.ops.hw_agnostic.paged_attention(
+        *example_paged_batch([2], [5], num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=4,
+                             dtype=torch.float32, device="cpu"), 0.25, None, None, None, None, None)
+    assert out.shape == (2, 2, 16)
+
+
+# --------------------------------------------------------------------------------------------
+# bad inputs
+
+
+def _batch(**overrides):
+    q, k_cache, v_cache, table, cu, lens = example_paged_batch(
+        [3, 1], [10, 6], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32,
+        device="cpu")
+    args = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_table": table, "cu_seqlens_q": cu,
+            "kv_lens": lens}
+    kwargs = {}
+    for name, value in overrides.items():
+        (args if name in args else kwargs)[name] = value
+    return lambda: paged_attention(*args.values(), **kwargs)
+
+
+def _write(**overrides):
+    args = {"key": torch.ones(3, 2, 16), "value": torch.ones(3, 2, 16), "k_cache": torch.zeros(2, 4, 2, 16),
+            "v_cache": torch.zeros(2, 4, 2, 16), "slot_mapping": torch.tensor([0, 5, -1])}
+    args.update(overrides)
+    return lambda: write_kv_cache(*args.values())
+
+
+def _poke(tensor, index, value):
+    tensor = tensor.clone()
+    tensor[index] = value
+    return tensor
+
+
+_table = example_paged_batch([3, 1], [10, 6], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
+                             dtype=torch.float32, device="cpu")[3]
+
+BAD_INPUTS = [
+    ("q has head_dim 32 but k_cache has head_dim 16", _batch(q=torch.ones(4, 4, 32))),
+    ("q's 3 heads must be a positive multiple of k_cache's 2 KV heads", _batch(q=torch.ones(4, 3, 16))),
+    ("q must be [tokens, num_q_heads, head_dim]", _batch(q=torch.ones(4, 64))),
+    ("q must have dtype", _batch(q=torch.ones(4, 4, 16, dtype=torch.int32))),
+    ("k_cache and v_cache must have q's dtype", _batch(q=torch.ones(4, 4, 16, dtype=torch.bfloat16))),
+    ("v_cache must have the dtype of k_cache", _batch(v_cache=torch.ones(6, 4, 2, 16, dtype=torch.float16))),
+    ("v_cache must have the shape of k_cache", _batch(v_cache=torch.ones(6, 4, 2, 8))),
+    ("k_cache must be [num_blocks, block_size, num_kv_heads, head_dim]", _batch(k_cache=torch.ones(24, 2, 16))),
+    ("block_table must have dtype int32", _batch(block_table=_table.long())),
+    ("block_table must have one row per sequence (2)", _batch(block_table=_table[:1])),
+    ("kv_lens must have dtype int32", _batch(kv_lens=torch.tensor([10, 6]))),
+    ("cu_seqlens_q must have num_seqs + 1 = 3 entries", _batch(cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32))),
+    ("cu_seqlens_q must be a torch.Tensor", _batch(cu_seqlens_q=[0, 3, 4])),
+    ("block_table is on meta but k_cache is on cpu", _batch(block_table=_table.to("meta"))),
+    ("scale must be > 0", _batch(scale=0.0)),
+    ("scale must be finite", _batch(scale=float("inf"))),
+    ("sliding_window must be >= 1", _batch(sliding_window=0)),
+    ("sliding_window must be an int", _batch(sliding_window=4.0)),
+    ("softcap must be > 0", _batch(softcap=-1.0)),
+    ("sinks must have one logit per query head", _batch(sinks=torch.zeros(2))),
+    ("max_kv_len = 64 but block_table's 3 columns of 4-token blocks hold at most 12 keys",
+     _batch(max_kv_len=64)),
+    ("max_q_len must be >= 0", _batch(max_q_len=-1)),
+    # data checks of the reference path
+    ("block_table[0, 1] = 99 is not a block of the cache", _batch(block_table=_poke(_table, (0, 1), 99))),
+    ("block_table[1, 0] = -1 is not a block of the cache", _batch(block_table=_poke(_table, (1, 0), -1))),
+    ("kv_lens[0] = 13 needs 4 blocks of 4 but block_table has 3 columns",
+     _batch(kv_lens=torch.tensor([13, 6], dtype=torch.int32))),
+    ("kv_lens[1] is -1", _batch(kv_lens=torch.tensor([10, -1], dtype=torch.int32))),
+    ("cu_seqlens_q must be non-decreasing offsets into q's 4 rows",
+     _batch(cu_seqlens_q=torch.tensor([0, 3, 9], dtype=torch.int32))),
+    # write_kv_cache
+    ("key has 2 heads of dim 8 but the cache holds 2 heads of dim 16", _write(key=torch.ones(3, 2, 8))),
+    ("value must have the shape of key", _write(value=torch.ones(2, 2, 16))),
+    ("key must have the cache's dtype", _write(key=torch.ones(3, 2, 16, dtype=torch.bfloat16))),
+    ("slot_mapping must have dtype int32 or int64", _write(slot_mapping=torch.tensor([0.0, 1.0, 2.0]))),
+    ("slot_mapping must have one slot per token (3)", _write(slot_mapping=torch.tensor([0, 1]))),
+    ("slot_mapping holds slot 8, past the cache's 8 slots", _write(slot_mapping=torch.tensor([0, 8, -1]))),
+    ("slot_mapping writes one slot twice", _write(slot_mapping=torch.tensor([2, 2, -1]))),
+    ("v_cache must have the shape of k_cache", _write(v_cache=torch.zeros(3, 4, 2, 16))),
+]
+
+
+@pytest.mark.parametrize("message, call", BAD_INPUTS, ids=[m for m, _ in BAD_INPUTS])
+def test_bad_inputs_name_the_argument(message, call):
+    with pytest.raises((TypeError, ValueError), match=re.escape(message)):
+        call()
+
+
+def test_a_bad_slot_leaves_the_caches_alone():
+    k_cache, v_cache = torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16)
+    with pytest.raises(ValueError):
+        write_kv_cache(torch.ones(2, 2, 16), torch.ones(2, 2, 16), k_cache, v_cache, torch.tensor([1, 99]))
+    assert k_cache.abs().sum() == 0 and v_cache.abs().sum() == 0
+
+
+# --------------------------------------------------------------------------------------------
+# GPU only: serving sizes, and a decode step captured in a CUDA graph
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_lens, kv_lens", [
+    ([1] * 16, [4096 + 37 * i for i in range(16)]),  # decode: one pass over the keys
+    ([1, 1], [8192, 5000]),  # few long sequences: the split-KV path
+    ([1024, 1, 300], [1024, 2048, 900]),  # mixed prefill and decode
+])
+def test_serving_sizes_on_the_gpu(q_lens, kv_lens):
+    batch = example_paged_batch(q_lens, kv_lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                                dtype=torch.bfloat16, device="cuda", generator=_generator(str(kv_lens)))
+    hints = (max(q_lens), max(kv_lens))
+    with ops.trace_dispatch() as ran:
+        got = paged_attention(*batch, max_q_len=hints[0], max_kv_len=hints[1])
+    assert [p.provider for p in ran] == ["helion"]
+    doubled = [t.double() if t.is_floating_point() else t for t in batch]
+    want = paged_attention_op.reference(*doubled, 128**-0.5, None, None, None, *hints)
+    assert_close(got, want, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_a_decode_step_captures_in_a_cuda_graph():
+    """No host synchronisation: write + attention record into a graph and replay right as lengths grow."""
+    q_lens, kv_lens = [1, 1, 1], [700, 31, 2000]
+    q, k_cache, v_cache, table, cu, lens = example_paged_batch(
+        q_lens, [n + 8 for n in kv_lens], num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+        dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
+    key, value = torch.randn_like(q[:, :8]), torch.randn_like(q[:, :8])
+    capacity = table.shape[1] * 16
+
+    def slots():  # each sequence's next free slot
+        return (table.long().gather(1, (lens.long() // 16)[:, None])[:, 0] * 16 + lens.long() % 16)
+
+    slot_mapping = slots()
+
+    def step():
+        write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        return paged_attention(q, k_cache, v_cache, table, cu, lens + 1, max_q_len=1, max_kv_len=capacity)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        lens += 1
+        slot_mapping.copy_(slots())
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, step())
