@@ -52,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or RESULTS / platform
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
+    # Every shape of a baseline module compiles under one code object: with dynamo's default
+    # budget of 8 the later shapes would silently run eagerly as "torch.compile" rows.
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.accumulated_recompile_limit = 4096
     started = time.time()
 
     def log(message: str) -> None:
