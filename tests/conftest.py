@@ -5,6 +5,7 @@
 * Tuned configs are read from and written to a per-session temporary directory, never the
   developer's own cache.
 * ``dsl`` tests need something that runs kernels: a GPU, or one of the CPU interpreters.
+* Hypothesis fuzzing is deterministic by default (see the profiles below).
 """
 
 from __future__ import annotations
@@ -17,6 +18,14 @@ os.environ["HW_AGNOSTIC_CACHE_DIR"] = tempfile.mkdtemp(prefix="hw_agnostic_test_
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Fuzz tests draw the same examples on every run unless asked to explore
+# (HYPOTHESIS_PROFILE=explore): CI must not pass or fail by chance. Failures found while
+# exploring are kept as @example regressions in the test.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 from hw_agnostic.kernels.interpret import interpreter_mode  # noqa: E402
 

@@ -58,10 +58,12 @@ def _gated_activation(
         elif activation == "silu":
             act = (g * torch.sigmoid(g)).to(out.dtype).to(torch.float32)
         elif activation == "gelu":
-            act = (0.5 * g * (1.0 + torch.erf(g * 0.7071067811865476))).to(out.dtype).to(torch.float32)
+            # erfc, not 1 + erf: no cancellation for negative g, where gelu is tiny.
+            act = (0.5 * g * torch.erfc(g * -0.7071067811865476)).to(out.dtype).to(torch.float32)
         else:
+            # 1 + tanh(z) == 2 * sigmoid(2z), without the cancellation for negative z.
             inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            act = (0.5 * g * (1.0 + torch.tanh(inner))).to(out.dtype).to(torch.float32)
+            act = (g * torch.sigmoid(2.0 * inner)).to(out.dtype).to(torch.float32)
         out[tile_m, tile_i] = (act * u).to(out.dtype)
 
 

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from .interpret import interpreter_mode
-from .runtime import Config, HelionFunction, KernelSpec
+from .runtime import Config, HelionFunction, KernelSpec, next_power_of_2
 
 try:
     import helion.language as hl
@@ -266,14 +266,10 @@ def choose_num_splits(*, decode: bool, num_seqs: int, num_kv_heads: int, max_kv_
 # write_kv_cache keys: {"dtype", "head_dim", "num_kv_heads", "tokens"}.
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _query_rows(key: Mapping[str, Any]) -> int:
     group = int(key["group"])
     if key.get("decode"):
-        return max(16, _pow2(group))
+        return max(16, next_power_of_2(group))
     return 64 if group <= 4 else 128
 
 
@@ -284,7 +280,7 @@ def default_paged_attention_config(key: Mapping[str, Any]) -> Config:
         # The interpreter pays per element for the row max (a reduction with a custom combine
         # function runs element by element) and per op for everything else: no padding rows in
         # decode tiles, moderate tiles otherwise.
-        rows = _pow2(int(key["group"])) if key.get("decode") else 32
+        rows = next_power_of_2(int(key["group"])) if key.get("decode") else 32
         return {"block_sizes": [rows, 64], "num_warps": 4, "num_stages": 1, "num_splits": "auto"}
     keys = 64 if head_dim <= 128 else 32
     warps = 4 if rows * head_dim <= 64 * 128 else 8
@@ -296,7 +292,7 @@ def paged_attention_candidates(key: Mapping[str, Any]) -> list[Config]:
     candidates = [default_paged_attention_config(key)]
     decode = bool(key.get("decode"))
     group = int(key["group"])
-    row_choices = (max(16, _pow2(group)), max(32, _pow2(group))) if decode else (32, 64, 128)
+    row_choices = (max(16, next_power_of_2(group)), max(32, next_power_of_2(group))) if decode else (32, 64, 128)
     split_choices: tuple[Any, ...] = ("auto", 1, 2, 4, 8, 16, 32) if decode else ("auto",)
     for rows in row_choices:
         for keys in (16, 32, 64, 128):
@@ -312,10 +308,10 @@ def paged_attention_candidates(key: Mapping[str, Any]) -> list[Config]:
 
 def default_write_kv_cache_config(key: Mapping[str, Any]) -> Config:
     head_dim, heads, tokens = int(key["head_dim"]), int(key["num_kv_heads"]), max(int(key["tokens"]), 1)
-    block_d = _pow2(head_dim)
-    block_h = min(_pow2(heads), max(1, 1024 // block_d))
+    block_d = next_power_of_2(head_dim)
+    block_h = min(next_power_of_2(heads), max(1, 1024 // block_d))
     budget = 16384 if interpreter_mode() == "triton" else 2048
-    block_t = min(_pow2(tokens), max(1, budget // (block_h * block_d)))
+    block_t = min(next_power_of_2(tokens), max(1, budget // (block_h * block_d)))
     return {"block_sizes": [block_t, block_h, block_d], "num_warps": 4, "num_stages": 1}
 
 
@@ -323,11 +319,11 @@ def write_kv_cache_candidates(key: Mapping[str, Any]) -> list[Config]:
     head_dim, tokens = int(key["head_dim"]), max(int(key["tokens"]), 1)
     candidates = [default_write_kv_cache_config(key)]
     for block_t in (1, 2, 4, 8, 16):
-        if block_t > _pow2(tokens):
+        if block_t > next_power_of_2(tokens):
             continue
         for block_h in (1, 2, 4, 8):
             for warps in (1, 2, 4, 8):
-                config = {"block_sizes": [block_t, block_h, _pow2(head_dim)], "num_warps": warps, "num_stages": 1}
+                config = {"block_sizes": [block_t, block_h, next_power_of_2(head_dim)], "num_warps": warps, "num_stages": 1}
                 if config not in candidates:
                     candidates.append(config)
     return candidates
@@ -341,7 +337,7 @@ def split_launch_config(config: Config) -> tuple[Any, Config]:
 
 def merge_config(num_splits: int, packed_rows: int) -> Config:
     """The merge kernel's config (not tuned: it moves ``num_splits`` partial rows per output row)."""
-    return {"block_sizes": [_pow2(num_splits), min(_pow2(max(packed_rows, 1)), 64)], "num_warps": 4,
+    return {"block_sizes": [next_power_of_2(num_splits), min(next_power_of_2(max(packed_rows, 1)), 64)], "num_warps": 4,
             "num_stages": 1}
 
 
