@@ -12,9 +12,8 @@ from helion.runtime.triton.helpers import _promote_to_32_bits
 
 
 @triton.jit
-def max_propagate_nan(x, dim: tl.constexpr):
-    x = _promote_to_32_bits(x)
-    result = tl.max(x, dim)
+def _nan_where_any(result, x, dim: tl.constexpr):
+    """``result`` with NaN wherever the reduced range of ``x`` held one."""
     if tl.constexpr(x.dtype.is_floating()):
         nan_in = tl.max((x != x).to(tl.int32), dim) > 0
         result = tl.where(nan_in, tl.full(result.shape, float("nan"), result.dtype), result)
@@ -22,10 +21,12 @@ def max_propagate_nan(x, dim: tl.constexpr):
 
 
 @triton.jit
+def max_propagate_nan(x, dim: tl.constexpr):
+    x = _promote_to_32_bits(x)
+    return _nan_where_any(tl.max(x, dim), x, dim)
+
+
+@triton.jit
 def min_propagate_nan(x, dim: tl.constexpr):
     x = _promote_to_32_bits(x)
-    result = tl.min(x, dim)
-    if tl.constexpr(x.dtype.is_floating()):
-        nan_in = tl.max((x != x).to(tl.int32), dim) > 0
-        result = tl.where(nan_in, tl.full(result.shape, float("nan"), result.dtype), result)
-    return result
+    return _nan_where_any(tl.min(x, dim), x, dim)
