@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import os
 import types
@@ -147,6 +148,7 @@ class Op:
         example_inputs: Callable[..., tuple[Any, ...]] | None = None,
         compiled_reference: Callable[[str, Callable[..., Any]], Callable[..., Any]] | None = None,
         fake: Callable[..., Any] | None = None,
+        differentiable: bool = False,
     ) -> None:
         if name in _ops:
             raise ValueError(f"op {name!r} is already registered")
@@ -161,6 +163,10 @@ class Op:
         self.compiled_reference = compiled_reference or CompiledReference
         # The fake implementation: the reference itself unless its output shapes depend on data.
         self.fake = fake or reference
+        # Differentiable ops get a backward: the reference's, recomputed (kernels forward, autograd back).
+        self.differentiable = differentiable
+        names = list(inspect.signature(reference).parameters)
+        self._mutated_positions = tuple(names.index(name) for name in self.mutates_args)
         self.providers: tuple[Provider, ...] = (*providers, _reference_provider(self))
         self._plans: dict[Any, Plan] = {}
         self.torch_op = self._register_custom_op()
@@ -185,6 +191,10 @@ class Op:
             return shapes(*args)
 
         custom.register_fake(fake)
+        if self.differentiable:
+            if self.mutates_args:
+                raise ValueError(f"op {self.name!r} mutates its arguments; it cannot be differentiable")
+            _register_reference_backward(custom, self.reference)
         return getattr(torch.ops.hw_agnostic, self.name).default
 
     # -- dispatch -------------------------------------------------------------------------------
@@ -196,8 +206,13 @@ class Op:
             or isinstance(args[0], FakeTensor)
             or (torch.is_grad_enabled() and _requires_grad(args))
         ):
-            # Traced graphs (dynamo, fx, make_fx) see the custom op; autograd sees an op without a
-            # derivative, which raises a clear error on backward instead of returning no gradient.
+            # Traced graphs (dynamo, fx, make_fx) see the custom op; autograd sees its backward
+            # (differentiable ops) or an op without a derivative, which raises on backward.
+            if torch.is_grad_enabled() and any(_requires_grad((args[i],)) for i in self._mutated_positions):
+                raise RuntimeError(
+                    f"{self.name} writes {', '.join(self.mutates_args)} in place and has no backward, but an argument "
+                    "it writes requires grad; use the out-of-place form, or call it under torch.no_grad()"
+                )
             return self.torch_op(*args)
         return self.dispatch(*args)
 
@@ -288,6 +303,43 @@ class Op:
         return config_cache.lookup(
             provider.kernel, platform, tuning_key, warn_if_missing=platform != "triton_interpreter"
         )
+
+
+def _register_reference_backward(custom: Any, reference: Callable[..., Any]) -> None:
+    """The op's backward is the vector-Jacobian product of its reference, recomputed from the inputs.
+
+    Until backward kernels exist this keeps training, gradient checkpointing and inputs that need
+    gradients correct on every provider: the forward runs the kernel, the backward differentiates
+    the specification.
+    """
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        is_tensor = [isinstance(a, torch.Tensor) for a in inputs]
+        ctx.is_tensor = is_tensor
+        ctx.constants = [None if t else a for t, a in zip(is_tensor, inputs)]
+        ctx.save_for_backward(*(a for t, a in zip(is_tensor, inputs) if t))
+
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        saved = iter(ctx.saved_tensors)
+        inputs = [next(saved) if t else c for t, c in zip(ctx.is_tensor, ctx.constants)]
+        positions = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                     and ctx.needs_input_grad[i]]
+
+        def differentiated(*tensors: torch.Tensor) -> Any:
+            args = list(inputs)
+            for i, tensor in zip(positions, tensors):
+                args[i] = tensor
+            return reference(*args)
+
+        with torch.enable_grad():
+            _, vjp = torch.func.vjp(differentiated, *(inputs[i] for i in positions))
+        found = vjp(grads[0] if len(grads) == 1 else tuple(grads))
+        result: list[Any] = [None] * len(inputs)
+        for i, grad in zip(positions, found):
+            result[i] = grad
+        return tuple(result)
+
+    custom.register_autograd(backward, setup_context=setup_context)
 
 
 def _requires_grad(args: tuple[Any, ...]) -> bool:
