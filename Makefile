@@ -9,7 +9,7 @@ PYTEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) -q
 
-.PHONY: test test-reference test-triton-interpret test-helion-interpret bench autotune demo clean
+.PHONY: test test-reference test-triton-interpret test-helion-interpret test-zoo bench autotune demo clean
 
 $(VENV)/.installed-%: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,10 +18,14 @@ $(VENV)/.installed-%: pyproject.toml
 	@touch $@
 
 # Three tiers, each in its own processes: Helion cannot run with both interpreters set.
-test: test-reference test-triton-interpret test-helion-interpret
+test: test-reference test-triton-interpret test-helion-interpret test-zoo
 
 test-reference: $(VENV)/.installed-test
-	$(PYTEST) tests
+	$(PYTEST) -m "not zoo" tests
+
+# Every causal-LM family transformers ships, tiny, rewired and checked against itself.
+test-zoo: $(VENV)/.installed-test
+	$(PYTEST) -m zoo tests/zoo
 
 test-triton-interpret: $(VENV)/.installed-test
 	TRITON_INTERPRET=1 $(PYTEST) -m dsl tests
