@@ -100,6 +100,26 @@ def test_fused_experts_dsl(provider, case, device):
 
 
 @pytest.mark.dsl
+@pytest.mark.parametrize("provider", dsl_providers(fused_experts_op))
+def test_the_activation_inside_runs_on_the_forced_provider(provider, device):
+    """fused_experts runs its gated activation through the activation op: traced, and forced with it."""
+    from hw_agnostic.ops.activations import silu_and_mul_op
+
+    case = fused_case(9, 5, 2, 13, 11, torch.float32, config=FUSED_SHARED)
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in case.make())
+    want = fused_experts_op.reference(*args)
+    with ops.use_config(fused_experts_op, FUSED_SHARED), ops.use_provider(provider, fused_experts_op):
+        with ops.trace_dispatch() as ran:
+            got = fused_experts_op(*args)
+        assert [(p.op, p.provider) for p in ran] == [("fused_experts", provider), ("silu_and_mul", provider)]
+        assert_close(got, want.double())
+        with ops.use_provider("reference", silu_and_mul_op), ops.trace_dispatch() as ran:
+            got = fused_experts_op(*args)  # the inner op's own forcing wins
+        assert [(p.op, p.provider) for p in ran] == [("fused_experts", provider), ("silu_and_mul", "reference")]
+        assert_close(got, want.double())
+
+
+@pytest.mark.dsl
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
 @given(tokens=st.integers(1, 12), experts=st.integers(2, 9), top_k=st.integers(1, 2),
        hidden=st.integers(1, 40), inter=st.integers(1, 24), dtype=st.sampled_from(DTYPES),

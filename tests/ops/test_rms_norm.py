@@ -20,6 +20,8 @@ from tests.harness import Case, check_provider, dsl_providers
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 NUMERICS = ("llama", "fp32_scale", "gemma")
+#: Why the kernels decline a ``permuted`` layout (the reference runs it): they address rows with one stride.
+UNCOLLAPSED_ROWS = "leading dimensions that do not collapse into one row stride go to the reference"
 SMALL_ROW_CONFIG = {"block_sizes": [2], "reduction_loops": [16], "num_warps": 4, "num_stages": 1}
 SMALL_FUSED_CONFIGS = (
     {"variant": "row", "block_sizes": [2], "num_warps": 4, "num_stages": 1},
@@ -66,7 +68,7 @@ def norm_case(lead, hidden, dtype, *, numerics="llama", weight_dtype="same", lay
             return x, residual, w, 1e-6, numerics
         return x, w, 1e-6, numerics
 
-    return Case(name, make, config)
+    return Case(name, make, config, expected_decline=UNCOLLAPSED_ROWS if layout == "permuted" else None)
 
 
 def _cases(fused: bool) -> list[Case]:
