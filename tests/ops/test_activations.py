@@ -14,7 +14,7 @@ from transformers.activations import ACT2FN
 from hw_agnostic import ops
 from hw_agnostic.ops.activations import gelu_and_mul_op, silu_and_mul_op, swiglu_oai_op
 from hw_agnostic.tolerances import assert_within_ulps
-from tests.harness import Case, check_provider, dsl_providers
+from tests.harness import Case, check_provider, dsl_providers, fuzz_examples
 from tests.ops.test_rms_norm import UNCOLLAPSED_ROWS, rows
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -24,7 +24,7 @@ OPS = {"silu": silu_and_mul_op, "gelu": gelu_and_mul_op, "gelu_tanh": gelu_and_m
 
 def act_case(activation, lead, inter, dtype, *, layout="contiguous", config=None, interleaved=True, scale=3.0):
     name = (f"{activation}-{'x'.join(map(str, lead))}x{inter}-{str(dtype).removeprefix('torch.')}-{layout}"
-            + ("" if interleaved else "-split") + ("-small" if config else ""))
+            + ("" if interleaved else "-split") + ("-small" if config else "") + (f"-x{scale:g}" if scale != 3.0 else ""))
 
     def make():
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
@@ -68,18 +68,20 @@ def test_gated_activation_dsl(activation, case, provider, device):
 
 
 @pytest.mark.dsl
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=fuzz_examples(16, 60), deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     activation=st.sampled_from(sorted(OPS)),
     lead=st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple),
     inter=st.integers(1, 200),
     dtype=st.sampled_from(DTYPES),
     layout=st.sampled_from(["contiguous", "padded", "inner_stride"]),
+    interleaved=st.booleans(),
+    scale=st.sampled_from([0.1, 3.0, 20.0]),
 )
-def test_fuzz_shapes_and_strides(activation, lead, inter, dtype, layout):
+def test_fuzz_shapes_and_strides(activation, lead, inter, dtype, layout, interleaved, scale):
     from tests.conftest import kernel_device
 
-    case = act_case(activation, lead, inter, dtype, layout=layout)
+    case = act_case(activation, lead, inter, dtype, layout=layout, interleaved=interleaved, scale=scale)
     for provider in dsl_providers(OPS[activation]):
         check_provider(OPS[activation], provider, case, kernel_device())
 

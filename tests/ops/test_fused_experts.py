@@ -14,7 +14,7 @@ from hw_agnostic.ops.fused_experts import fused_experts_op
 from hw_agnostic.ops.moe_common import example_routing
 from hw_agnostic.ops.moe_route import moe_route_op
 from hw_agnostic.tolerances import assert_close, assert_within_ulps
-from tests.harness import Case, check_provider, dsl_providers, seeded_generator
+from tests.harness import Case, check_provider, dsl_providers, fuzz_examples, seeded_generator
 from tests.ops.moe_cases import (
     ALIGN_SMALL,
     DTYPES,
@@ -120,14 +120,21 @@ def test_the_activation_inside_runs_on_the_forced_provider(provider, device):
 
 
 @pytest.mark.dsl
-@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
-@given(tokens=st.integers(1, 12), experts=st.integers(2, 9), top_k=st.integers(1, 2),
+@settings(max_examples=fuzz_examples(4, 30), deadline=None, suppress_health_check=list(HealthCheck))
+@given(tokens=st.integers(1, 12), experts=st.integers(2, 16), top_k=st.integers(1, 4),
        hidden=st.integers(1, 40), inter=st.integers(1, 24), dtype=st.sampled_from(DTYPES),
-       pattern=st.sampled_from(["spread", "two_experts", "sentinels"]))
-def test_fuzz_fused_experts(tokens, experts, top_k, hidden, inter, dtype, pattern):
+       activation=st.sampled_from(["silu", "gelu", "gelu_tanh", "gpt_oss"]),
+       weights_dtype=st.sampled_from([None, torch.float32]),
+       pattern=st.sampled_from(["spread", "one_expert", "two_experts", "sentinels"]))
+def test_fuzz_fused_experts(tokens, experts, top_k, hidden, inter, dtype, activation, weights_dtype, pattern):
+    """Expert counts, top-k, sizes, dtypes, router-weight dtypes, every activation and gpt-oss's
+    layout with biases, and the routing edge cases."""
     from tests.conftest import kernel_device
 
-    case = fused_case(tokens, experts, min(top_k, experts), hidden, inter, dtype, pattern=pattern, config=FUSED_SHARED)
+    gpt_oss = activation == "gpt_oss"
+    case = fused_case(tokens, experts, min(top_k, experts), hidden, inter, dtype, weights_dtype=weights_dtype,
+                      activation="silu" if gpt_oss else activation, gpt_oss=gpt_oss, pattern=pattern,
+                      config=FUSED_SHARED)
     for provider in dsl_providers(fused_experts_op):
         check_provider(fused_experts_op, provider, case, kernel_device())
 

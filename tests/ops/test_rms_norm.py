@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -16,7 +16,7 @@ from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from hw_agnostic import ops
 from hw_agnostic.ops.rms_norm import fused_add_rms_norm_inplace_op, fused_add_rms_norm_op, rms_norm_op
 from hw_agnostic.tolerances import assert_close, assert_within_ulps
-from tests.harness import Case, check_provider, dsl_providers
+from tests.harness import Case, check_provider, dsl_providers, fuzz_examples
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 NUMERICS = ("llama", "fp32_scale", "gemma")
@@ -139,21 +139,32 @@ def test_fused_add_rms_norm_inplace_dsl(provider, case, device):
     check_provider(fused_add_rms_norm_inplace_op, provider, case, device)
 
 
+FUZZ_OPS = {"rms_norm": rms_norm_op, "fused": fused_add_rms_norm_op, "inplace": fused_add_rms_norm_inplace_op}
+
+
 @pytest.mark.dsl
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=fuzz_examples(16, 60), deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     lead=st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple),
     hidden=st.integers(1, 300),
     dtype=st.sampled_from(DTYPES),
     numerics=st.sampled_from(NUMERICS),
     layout=st.sampled_from(["contiguous", "padded", "inner_stride"]),
-    fused=st.booleans(),
+    form=st.sampled_from(sorted(FUZZ_OPS)),
+    weight_dtype=st.sampled_from(["same", None, torch.float32]),
+    eps=st.sampled_from([0.0, 1e-6, 1e-4, 1e-2]),
+    scale=st.sampled_from([0.01, 0.1, 1.0, 8.0]),
 )
-def test_fuzz_shapes_and_strides(lead, hidden, dtype, numerics, layout, fused):
+def test_fuzz_shapes_strides_and_arguments(lead, hidden, dtype, numerics, layout, form, weight_dtype, eps, scale):
+    """Shapes, strides, dtypes, numerics, weights (none, same dtype, fp32), eps against input
+    scales (eps from invisible to dominant), out of place and in place."""
     from tests.conftest import kernel_device
 
-    op = fused_add_rms_norm_op if fused else rms_norm_op
-    case = norm_case(lead, hidden, dtype, numerics=numerics, layout=layout, fused=fused)
+    op = FUZZ_OPS[form]
+    promotes = weight_dtype is torch.float32 and dtype != torch.float32 and numerics == "llama"
+    assume(not (form == "inplace" and promotes))  # no in-place form: the result has another dtype
+    case = norm_case(lead, hidden, dtype, numerics=numerics, weight_dtype=weight_dtype, layout=layout,
+                     fused=form != "rms_norm", eps=eps, scale=scale)
     for provider in dsl_providers(op):
         check_provider(op, provider, case, kernel_device())
 
