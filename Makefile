@@ -9,7 +9,7 @@ PYTEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) -q
 
-.PHONY: test test-reference test-triton-interpret test-helion-interpret test-zoo bench autotune demo clean
+.PHONY: test test-reference test-triton-interpret test-helion-interpret test-zoo mutation bench autotune demo clean
 
 $(VENV)/.installed-%: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test-triton-interpret: $(VENV)/.installed-test
 
 test-helion-interpret: $(VENV)/.installed-test
 	HELION_INTERPRET=1 $(PYTEST) -m dsl tests
+
+# Plants small bugs in a temporary copy of the tree; the tests must catch every one (a few minutes).
+mutation: $(VENV)/.installed-test
+	$(PY) tests/mutation/run.py
 
 bench: $(VENV)/.installed-bench
 	$(PY) -m bench --device $(DEVICE)

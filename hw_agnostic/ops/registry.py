@@ -169,6 +169,8 @@ class Op:
         self._mutated_positions = tuple(names.index(name) for name in self.mutates_args)
         self.providers: tuple[Provider, ...] = (*providers, _reference_provider(self))
         self._plans: dict[Any, Plan] = {}
+        # Plans of calls made inside another op under that op's forcing (see run_inside).
+        self._inherited_plans: dict[tuple[str, Any], Plan] = {}
         self.torch_op = self._register_custom_op()
         _ops[name] = self
 
@@ -229,6 +231,29 @@ class Op:
                 record.append(plan)
         return plan.run(*args)
 
+    def run_inside(self, caller: str, *args: Any) -> Any:
+        """Run a call that a provider of op ``caller`` makes as one step of its own work.
+
+        The call is traced (``trace_dispatch`` lists it after its caller's plan) and forced like
+        its caller: unless this op is forced itself, a provider forced for ``caller`` that this
+        op also has is forced here too, so ``use_provider("helion", fused_experts)`` also runs the
+        activation inside it on helion, or raises :class:`ProviderError` saying why it cannot.
+        """
+        self.check(*args)
+        key = self.key(*args)
+        inherited = forced_provider(caller) if forced_provider(self.name) is None else None
+        if inherited is not None and all(p.name != inherited[0] for p in self.providers):
+            inherited = None
+        if inherited is None:
+            plan = self._plans.get(key) or self._make_plan(key, args)
+        else:
+            inherited = (inherited[0], f"{inherited[1]}, inside {caller}")
+            plan = self._inherited_plans.get((inherited[0], key)) or self._make_plan(key, args, inherited)
+        plan.calls += 1
+        for record in _tracers:
+            record.append(plan)
+        return plan.run(*args)
+
     def plan(self, *args: Any) -> Plan:
         """The plan a call with these arguments would run, without running it."""
         self.check(*args)
@@ -240,9 +265,10 @@ class Op:
 
     def reset(self) -> None:
         self._plans.clear()
+        self._inherited_plans.clear()
 
-    def _make_plan(self, key: Any, args: tuple[Any, ...]) -> Plan:
-        forced = forced_provider(self.name)
+    def _make_plan(self, key: Any, args: tuple[Any, ...], inherited: tuple[str, str] | None = None) -> Plan:
+        forced = inherited or forced_provider(self.name)
         names = [p.name for p in self.providers]
         if forced is not None and forced[0] not in names:
             raise ProviderError(
@@ -259,7 +285,10 @@ class Op:
                 if built is not None:
                     run, choice = built
                     plan = Plan(self.name, key, provider.name, choice, skipped, run)
-                    self._plans[key] = plan
+                    if inherited is None:
+                        self._plans[key] = plan
+                    else:
+                        self._inherited_plans[(inherited[0], key)] = plan
                     log.debug("%s", plan.describe())
                     return plan
             else:
@@ -371,7 +400,10 @@ class CompiledReference:
         # key keeps each key's specialisations from crowding out the others'.
         private = types.FunctionType(reference.__code__.replace(), reference.__globals__, reference.__name__,
                                      reference.__defaults__, reference.__closure__)
-        self.compiled: Callable[..., Any] | None = torch.compile(private, dynamic=None, fullgraph=True)
+        # Inductor computes a fused bf16/fp16 expression in fp32 and rounds once unless told to
+        # round where the code casts; the reference's casts are the spec (HF's roundings).
+        self.compiled: Callable[..., Any] | None = torch.compile(
+            private, dynamic=None, fullgraph=True, options={"emulate_precision_casts": True})
 
     def __call__(self, *args: Any) -> Any:
         if self.compiled is not None:
