@@ -10,7 +10,7 @@ the metadata are vLLM's, and they map one to one onto the ops:
 vLLM                        library
 ==========================  ==========================================================
 per-layer ``kv_cache``      ``k_cache``/``v_cache`` ``[blocks, block_size, kv_heads, D]``
-                            (views of vLLM's head-major pages, no copy)
+                            (views of vLLM's pages, no copy)
 ``slot_mapping``            ``write_kv_cache(..., slot_mapping)`` (``-1`` = padding)
 ``query_start_loc``         ``cu_seqlens_q``
 ``seq_lens``                ``kv_lens`` (new tokens included)
@@ -20,9 +20,13 @@ per-layer ``kv_cache``      ``k_cache``/``v_cache`` ``[blocks, block_size, kv_he
 sinks                       ``sinks``
 ==========================  ==========================================================
 
-A layer the ops do not cover (encoder or cross attention, ALiBi, a quantised KV cache, a
-non-causal or dynamically causal batch) keeps vLLM's CPU kernels for both the write and the
-attention: the two read each other's pages, so they are never mixed within a layer.
+Inside a page the library keeps each head's keys and values as plain ``[block_size, D]`` rows;
+vLLM's CPU kernels pack the keys their own way. So a layer uses one or the other for both the
+write and the attention: a layer the ops do not cover (encoder or cross attention, ALiBi, a
+quantised KV cache) keeps vLLM's CPU kernels for both, and a served layer refuses what it
+cannot run (a non-causal batch, fused output quantisation) with an error rather than mixing.
+KV-transfer connectors, which move pages in vLLM's CPU layout, are not supported with this
+override (turn it off with ``HW_AGNOSTIC_VLLM_DISABLE=attention``).
 """
 
 from __future__ import annotations
@@ -44,8 +48,10 @@ except ImportError as err:  # pragma: no cover - vLLM without the CPU backend
 
 
 def split_cpu_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's CPU page ``[blocks, kv_heads, block_size, 2 * D]`` holds, per (block, head), the
-    block's keys and then its values; as the library's ``[blocks, block_size, kv_heads, D]``."""
+    """A per-layer CPU cache ``[blocks, kv_heads, block_size, 2 * D]`` as the library's key and
+    value caches ``[blocks, block_size, kv_heads, D]``: per (block, head), the first half of the
+    page holds the keys and the second the values (as in vLLM's CPU backend, whose key rows are
+    packed differently inside that half)."""
     blocks, heads, block_size, _ = kv_cache.shape
     key_cache, value_cache = kv_cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
     return key_cache.transpose(1, 2), value_cache.transpose(1, 2)
