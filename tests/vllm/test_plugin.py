@@ -66,7 +66,10 @@ def test_registers_every_override_once(fresh_registries, monkeypatch):
     assert {"TPAwareRMSNorm", "SiluAndMul"} <= set(hw)
     assert {"TPAwareGemmaRMSNorm", "GeluAndMul", "SwigluOAIAndMul", "UnquantizedFusedMoEMethod"} <= set(main)
     assert hw["TPAwareRMSNorm"].__module__ == "hw_agnostic.integrations.vllm.layers"
-    assert AttentionBackendEnum.CPU_ATTN.get_path() == "hw_agnostic.integrations.vllm.attention.HwAgnosticCPUAttentionBackend"
+    from hw_agnostic.integrations.vllm.attention import BACKEND_PATH
+
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == BACKEND_PATH
+    assert BACKEND_PATH == "hw_agnostic.integrations.vllm.attention.HwAgnosticCPUAttentionBackend"
     from vllm.model_executor.models.transformers.fusers.rms_norm import TPAwareRMSNorm
 
     from vllm.config import VllmConfig, set_current_vllm_config

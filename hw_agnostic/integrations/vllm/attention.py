@@ -90,7 +90,8 @@ class HwAgnosticCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor,
-                output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
         if self.why_not_served is not None or attn_metadata is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
