@@ -2,7 +2,8 @@
 
     python bench/vllm_generate.py --model DIR [--eager] --seqs 16 --prompt-len 64 --max-tokens 64
 
-Builds a random-weight Llama-style checkpoint in DIR if there is none, loads it with vLLM's
+Builds a random-weight Llama-style (or, with ``--family mixtral``, Mixtral-style) checkpoint in
+DIR if there is none, loads it with vLLM's
 Transformers backend, generates once to warm up, then ``--repeats`` timed times, and prints one
 JSON line: generated tokens per second for each repeat. Whether the plugin runs is the caller's
 environment (``VLLM_USE_HW_AGNOSTIC=1``, ``VLLM_PLUGINS``), so both sides run this same script.
@@ -18,16 +19,17 @@ from pathlib import Path
 BENCH_MODEL = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=512,
                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+FAMILIES = {"llama": {}, "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=512)}
 
 
-def build(directory: Path) -> None:
+def build(directory: Path, family: str = "llama") -> None:
     if (directory / "config.json").exists():
         return
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model("llama", **BENCH_MODEL)
+    config = AutoConfig.for_model(family, **{**BENCH_MODEL, **FAMILIES[family]})
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
 
 
@@ -39,8 +41,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="llama")
     args = parser.parse_args()
-    build(args.model)
+    build(args.model, args.family)
 
     import torch
     from vllm import LLM, SamplingParams

@@ -30,7 +30,7 @@ def fresh_registries(monkeypatch: pytest.MonkeyPatch):
 
     saved = dict(main_ops.op_registry_oot), dict(hw_ops.op_registry_oot)
     monkeypatch.setattr(plugin, "_registered", None)
-    monkeypatch.delenv(plugin.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(plugin.OVERRIDES_ENV, raising=False)
     monkeypatch.delenv(counts.COUNTS_ENV, raising=False)
     monkeypatch.setenv(plugin.COMPILE_REFERENCE_ENV, "0")
     yield main_ops.op_registry_oot, hw_ops.op_registry_oot
@@ -59,6 +59,7 @@ def test_registers_every_override_once(fresh_registries, monkeypatch):
 
     main, hw = fresh_registries
     monkeypatch.setenv(plugin.ENABLE_ENV, "1")
+    monkeypatch.setenv(plugin.OVERRIDES_ENV, "+attention")
     plugin.register()
     plugin.register()  # a second load of the plugin in the same process changes nothing
     assert set(plugin.registered().values()) == {"registered"}
@@ -79,21 +80,33 @@ def test_registers_every_override_once(fresh_registries, monkeypatch):
     assert type(norm) is hw["TPAwareRMSNorm"]
 
 
+def test_attention_is_off_by_default_on_the_cpu(fresh_registries, monkeypatch):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    monkeypatch.setenv(plugin.ENABLE_ENV, "1")
+    plugin.register()
+    state = plugin.registered()
+    assert "off by default on the CPU" in state["attention"] and "+attention" in state["attention"]
+    assert not AttentionBackendEnum.CPU_ATTN.is_overridden()
+    assert {name for name, s in state.items() if s == "registered"} == set(plugin.OVERRIDES) - {"attention"}
+
+
 def test_overrides_can_be_turned_off(fresh_registries, monkeypatch):
     main, hw = fresh_registries
     monkeypatch.setenv(plugin.ENABLE_ENV, "true")
-    monkeypatch.setenv(plugin.DISABLE_ENV, "attention, moe")
+    monkeypatch.setenv(plugin.OVERRIDES_ENV, "+attention, -attention,-moe")  # the last word wins
     plugin.register()
     state = plugin.registered()
-    assert state["attention"].startswith("disabled") and state["moe"].startswith("disabled")
+    assert state["attention"].startswith("turned off") and state["moe"].startswith("turned off")
     assert state["rms_norm"] == "registered"
     assert "UnquantizedFusedMoEMethod" not in main
 
 
-def test_unknown_override_name_is_an_error(fresh_registries, monkeypatch):
+@pytest.mark.parametrize("spec", ["-rmsnorm", "moe", "+"])
+def test_a_bad_override_spec_is_an_error(fresh_registries, monkeypatch, spec):
     monkeypatch.setenv(plugin.ENABLE_ENV, "1")
-    monkeypatch.setenv(plugin.DISABLE_ENV, "rmsnorm")
-    with pytest.raises(ValueError, match="HW_AGNOSTIC_VLLM_DISABLE.*rmsnorm.*they are: rms_norm"):
+    monkeypatch.setenv(plugin.OVERRIDES_ENV, spec)
+    with pytest.raises(ValueError, match="HW_AGNOSTIC_VLLM_OVERRIDES.*is not \\+name or -name.*they are: rms_norm"):
         plugin.register()
 
 

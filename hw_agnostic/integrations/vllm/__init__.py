@@ -19,8 +19,12 @@ override           vLLM class replaced                           library ops
 ``attention``      the ``CPU_ATTN`` attention backend            ``write_kv_cache``, ``paged_attention``
 =================  ============================================  ===============================
 
-``HW_AGNOSTIC_VLLM_DISABLE=attention,moe`` (any of the names above) leaves those to vLLM. Each
-override runs vLLM's own code for the calls or layers the ops do not cover (see its module).
+``HW_AGNOSTIC_VLLM_OVERRIDES`` turns overrides on or off, in vLLM's ``custom_ops`` style:
+``-moe,-attention`` leaves those to vLLM, ``+attention`` turns on one that is off by default.
+All are on by default except, on the CPU, ``attention``: the library has no CPU attention kernel
+and its plain-PyTorch reference (a per-sequence loop) is far slower than vLLM's C++ CPU
+attention (``bench/results/cpu/vllm.md``). Each override runs vLLM's own code for the calls or
+layers the ops do not cover (see its module).
 An override whose vLLM names are missing in the installed vLLM is skipped, with one warning
 naming them and the versions this plugin supports. Diagnostics go to the ``vllm.hw_agnostic``
 logger, which vLLM's log configuration shows.
@@ -40,10 +44,14 @@ import os
 from ._compat import SUPPORTED_VERSIONS, missing_names
 
 ENABLE_ENV = "VLLM_USE_HW_AGNOSTIC"
-DISABLE_ENV = "HW_AGNOSTIC_VLLM_DISABLE"
+OVERRIDES_ENV = "HW_AGNOSTIC_VLLM_OVERRIDES"
 COMPILE_REFERENCE_ENV = "HW_AGNOSTIC_COMPILE_REFERENCE"
 OVERRIDES = ("rms_norm", "gemma_rms_norm", "silu_and_mul", "gelu_and_mul", "swiglu_oai", "moe", "attention")
 CPU_ONLY = frozenset({"attention"})
+OFF_BY_DEFAULT_ON_CPU = {
+    "attention": "off by default on the CPU, where the library's paged attention is its slow reference "
+                 f"({OVERRIDES_ENV}=+attention turns it on)",
+}
 REGISTRARS = {
     "rms_norm": (".layers", "register_rms_norm"),
     "gemma_rms_norm": (".layers", "register_gemma_rms_norm"),
@@ -63,16 +71,20 @@ _fallbacks_logged: set[tuple[str, str]] = set()
 
 def enabled() -> bool:
     """vLLM's own reading of ``VLLM_USE_HW_AGNOSTIC``."""
-    return os.environ.get(ENABLE_ENV, "False").strip().lower() in ("true", "1")
+    return os.environ.get(ENABLE_ENV, "False").lower() in ("true", "1")
 
 
-def disabled_overrides() -> frozenset[str]:
-    names = frozenset(filter(None, (part.strip() for part in os.environ.get(DISABLE_ENV, "").split(","))))
-    unknown = sorted(names - set(OVERRIDES))
-    if unknown:
-        raise ValueError(f"{DISABLE_ENV}={os.environ[DISABLE_ENV]!r} names {', '.join(unknown)}, which are not "
-                         f"overrides of the hw_agnostic vLLM plugin (they are: {', '.join(OVERRIDES)})")
-    return names
+def override_choices() -> dict[str, bool]:
+    """``HW_AGNOSTIC_VLLM_OVERRIDES`` parsed: override -> on (``+name``) or off (``-name``)."""
+    spec = os.environ.get(OVERRIDES_ENV, "")
+    choices: dict[str, bool] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        sign, name = item[0], item[1:].strip()
+        if sign not in "+-" or name not in OVERRIDES:
+            raise ValueError(f"{OVERRIDES_ENV}={spec!r}: {item!r} is not +name or -name of an override of the "
+                             f"hw_agnostic vLLM plugin (they are: {', '.join(OVERRIDES)})")
+        choices[name] = sign == "+"
+    return choices
 
 
 def registered() -> dict[str, str]:
@@ -92,11 +104,15 @@ def register() -> None:
 
     from . import counts
 
-    off = disabled_overrides()
+    choices = override_choices()
     missing: dict[str, list[str]] = {}
     for name in OVERRIDES:
-        if name in off:
-            _registered[name] = f"disabled by {DISABLE_ENV}"
+        choice = choices.get(name)
+        if choice is False:
+            _registered[name] = f"turned off by {OVERRIDES_ENV}"
+            continue
+        if choice is None and name in OFF_BY_DEFAULT_ON_CPU and current_platform.is_cpu():
+            _registered[name] = OFF_BY_DEFAULT_ON_CPU[name]
             continue
         if name in CPU_ONLY and not current_platform.is_cpu():
             _registered[name] = f"not available on {current_platform.device_type} (CPU only in this version)"

@@ -26,7 +26,8 @@ write and the attention: a layer the ops do not cover (encoder or cross attentio
 quantised KV cache) keeps vLLM's CPU kernels for both, and a served layer refuses what it
 cannot run (a non-causal batch, fused output quantisation) with an error rather than mixing.
 KV-transfer connectors, which move pages in vLLM's CPU layout, are not supported with this
-override (turn it off with ``HW_AGNOSTIC_VLLM_DISABLE=attention``).
+override. On the CPU it is off unless ``HW_AGNOSTIC_VLLM_OVERRIDES=+attention``: the library's
+attention there is its reference, far slower than vLLM's C++ kernel.
 """
 
 from __future__ import annotations
