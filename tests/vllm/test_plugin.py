@@ -179,3 +179,45 @@ def test_counts_are_written_per_process(tmp_path, monkeypatch):
     assert path is not None and path.exists()
     records = counts.read_counts(tmp_path)
     assert len(records) == 1 and counts.total_calls(records, "silu_and_mul") >= 1
+
+
+# --------------------------------------------------------------------------------------------
+# MoE: which layers the library serves, which stay vLLM's
+
+
+def _moe_layer(activation="SILU", *, use_ep=False, dp_size=1, lora=False, act_and_mul=True, dtype=torch.float32,
+               expert_map=None, **attrs):
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    parallel = SimpleNamespace(use_ep=use_ep, dp_size=dp_size, pcp_size=1, enable_eplb=False)
+    moe = SimpleNamespace(moe_parallel_config=parallel, is_act_and_mul=act_and_mul, is_lora_enabled=lora,
+                          is_sequence_parallel=False)
+    layer = SimpleNamespace(activation=getattr(MoEActivation, activation), expert_map=expert_map,
+                            w13_weight=torch.empty(0, dtype=dtype), **attrs)
+    return SimpleNamespace(moe=moe), layer
+
+
+@pytest.mark.parametrize("activation,expected", [("SILU", ("silu", False)), ("GELU_TANH", ("gelu_tanh", False)),
+                                                 ("SWIGLUOAI", ("swiglu_oai", True)),
+                                                 ("SWIGLUOAI_UNINTERLEAVE", ("swiglu_oai", False))])
+def test_moe_layers_the_library_serves(activation, expected):
+    from hw_agnostic.integrations.vllm.moe import _activation, why_not_served
+
+    method, layer = _moe_layer(activation)
+    assert why_not_served(method, layer) is None
+    assert _activation(layer) == expected
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    (dict(activation="RELU2"), "relu2"), (dict(use_ep=True), "expert/data"), (dict(dp_size=2), "expert/data"),
+    (dict(lora=True), "LoRA"), (dict(act_and_mul=False), "act-and-mul"),
+    (dict(dtype=torch.float8_e4m3fn), "weight dtype"), (dict(expert_map=torch.arange(4)), "expert map"),
+    (dict(activation="SWIGLUOAI", swiglu_limit=10.0), "non-default"),
+])
+def test_moe_layers_that_stay_vllms(kwargs, reason):
+    from hw_agnostic.integrations.vllm.moe import why_not_served
+
+    method, layer = _moe_layer(**kwargs)
+    assert reason in why_not_served(method, layer)
