@@ -22,8 +22,8 @@ override           vLLM class replaced                           library ops
 ``HW_AGNOSTIC_VLLM_OVERRIDES`` turns overrides on or off, in vLLM's ``custom_ops`` style:
 ``-moe,-attention`` leaves those to vLLM, ``+attention`` turns on one that is off by default.
 All are on by default except, on the CPU, ``attention``: the library has no CPU attention kernel
-and its plain-PyTorch reference (a per-sequence loop) is far slower than vLLM's C++ CPU
-attention (``bench/results/cpu/vllm.md``). Each override runs vLLM's own code for the calls or
+and its plain-PyTorch reference (a per-sequence loop) ran generation at a fraction of the speed
+vLLM's C++ CPU attention gives (``bench/results/cpu/vllm.md``). Each override runs vLLM's own code for the calls or
 layers the ops do not cover (see its module).
 An override whose vLLM names are missing in the installed vLLM is skipped, with one warning
 naming them and the versions this plugin supports. Diagnostics go to the ``vllm.hw_agnostic``
