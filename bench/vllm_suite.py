@@ -5,15 +5,17 @@
 a separate process of ``bench/vllm_generate.py``, because the plugin registers per process:
 
 * ``hw_agnostic``: ``VLLM_USE_HW_AGNOSTIC=1`` with the plugin as installed: the library's norms
-  and activations; attention stays vLLM's C++ CPU kernel (the plugin's CPU default);
+  and activations; attention (and MoE) stay vLLM's C++ CPU kernels (the plugin's CPU default);
 * ``hw_agnostic_attention``: the same with ``HW_AGNOSTIC_VLLM_OVERRIDES=+attention``: the KV
   write and attention on the library's ``write_kv_cache``/``paged_attention`` too (on the CPU
   their plain-PyTorch reference);
+* ``hw_agnostic_moe``: the plugin with ``+moe``: the routed experts on ``fused_experts`` too;
 * ``vllm``: ``VLLM_USE_HW_AGNOSTIC=1`` with plugins off (``VLLM_PLUGINS=""``): vLLM's own
   hw-agnostic layers, the path the plugin replaces;
 
-A 4-layer Llama-style model (hidden 512, head size 64, fp32, random weights) generates 64
-tokens for each of 16 sequences of 64 prompt tokens, eager and compiled; the result is generated
+A 4-layer Llama-style model (hidden 512, head size 64, fp32, random weights; and a Mixtral-style
+one with 8 experts, top 2, for the MoE side) generates 64 tokens for each of 16 sequences of 64
+prompt tokens, eager and compiled; the result is generated
 tokens per second (the best of 3 timed runs after a warm-up: on a shared machine other work
 only slows a run down) and the ratio to ``vllm`` measured in the same round of the same bench
 run (median over rounds). Writes ``vllm.csv`` and ``vllm.md`` beside the other results. CPU only:
@@ -40,11 +42,16 @@ VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SIDES = {
     "hw_agnostic": {"VLLM_USE_HW_AGNOSTIC": "1"},
     "hw_agnostic_attention": {"VLLM_USE_HW_AGNOSTIC": "1", "HW_AGNOSTIC_VLLM_OVERRIDES": "+attention"},
+    "hw_agnostic_moe": {"VLLM_USE_HW_AGNOSTIC": "1", "HW_AGNOSTIC_VLLM_OVERRIDES": "+moe"},
     "vllm": {"VLLM_USE_HW_AGNOSTIC": "1", "VLLM_PLUGINS": ""},
 }
-# Sides alternate within a round, and rounds repeat, so that a slow patch of a shared machine
-# hits both sides; the ratio is the median of the per-round ratios.
-ROUNDS = {"eager": 3, "compiled": 1}
+# (model family, mode, rounds, sides). Sides alternate within a round, and rounds repeat, so that
+# a slow patch of a shared machine hits every side; the ratio is the median of per-round ratios.
+PLAN = (
+    ("llama", "eager", 2, ("hw_agnostic", "hw_agnostic_attention", "vllm")),
+    ("llama", "compiled", 1, ("hw_agnostic", "hw_agnostic_attention", "vllm")),
+    ("mixtral", "eager", 1, ("hw_agnostic_moe", "vllm")),
+)
 TIMEOUT_S = 900
 
 
@@ -54,11 +61,12 @@ def _ensure_venv(log: Callable[[str], None]) -> None:
         subprocess.run(["make", "-C", str(ROOT), ".venv-vllm/.installed"], check=True)
 
 
-def _generate(side: str, eager: bool, model: Path, shape: dict[str, int]) -> list[float]:
+def _generate(side: str, eager: bool, family: str, shape: dict[str, int]) -> list[float]:
     inherited = ("VLLM_PLUGINS", "HW_AGNOSTIC_COMPILE_REFERENCE", "HW_AGNOSTIC_VLLM_OVERRIDES")
     env = {k: v for k, v in os.environ.items() if k not in inherited}
     env.update(SIDES[side], VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    command = [str(VENV_PYTHON), str(ROOT / "bench" / "vllm_generate.py"), "--model", str(model),
+    model = ROOT / "build" / f"vllm_bench_{family}"
+    command = [str(VENV_PYTHON), str(ROOT / "bench" / "vllm_generate.py"), "--model", str(model), "--family", family,
                *(["--eager"] if eager else []), *(f"--{k.replace('_', '-')}={v}" for k, v in shape.items())]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -74,38 +82,40 @@ def run(device: torch.device, *, quick: bool, log: Callable[[str], None]) -> Ite
     _ensure_venv(log)
     shape = {"seqs": 8, "prompt_len": 32, "max_tokens": 32} if quick else {"seqs": 16, "prompt_len": 64,
                                                                            "max_tokens": 64}
-    model = ROOT / "build" / "vllm_bench_model"
     rows = []
-    for mode, rounds in ROUNDS.items():
+    for family, mode, rounds, sides in PLAN:
         for round_index in range(rounds):
-            for side in SIDES:
-                rates = _generate(side, mode == "eager", model, shape)
+            for side in sides:
+                rates = _generate(side, mode == "eager", family, shape)
                 # Best of the timed runs: on a shared machine other work only ever slows a run down.
                 rate = max(rates)
-                log(f"vllm: {mode} round {round_index} {side}: best {rate:.1f} generated tokens/s ({rates})")
-                rows.append({"suite": "vllm", "mode": mode, "round": round_index, "side": side,
+                log(f"vllm: {family} {mode} round {round_index} {side}: best {rate:.1f} tokens/s ({rates})")
+                rows.append({"suite": "vllm", "model": family, "mode": mode, "round": round_index, "side": side,
                              "tokens_per_s": rate, "runs": json.dumps([round(r, 2) for r in rates]), **shape})
     frame = pd.DataFrame(rows)
-    base = frame[frame["side"] == "vllm"].set_index(["mode", "round"])["tokens_per_s"]
-    frame["ratio_vs_vllm"] = frame["tokens_per_s"] / [base[(m, r)] for m, r in zip(frame["mode"], frame["round"])]
-    summary = frame.groupby(["mode", "side"], sort=False).agg(
+    keys = ["model", "mode", "round"]
+    base = frame[frame["side"] == "vllm"].set_index(keys)["tokens_per_s"]
+    frame["ratio_vs_vllm"] = frame["tokens_per_s"] / [base[key] for key in zip(*(frame[k] for k in keys))]
+    summary = frame.groupby(["model", "mode", "side"], sort=False).agg(
         tokens_per_s=("tokens_per_s", "median"), ratio_vs_vllm=("ratio_vs_vllm", "median")).reset_index()
     for row in summary.itertuples():
-        log(f"vllm: {row.mode} {row.side}: {row.tokens_per_s:.1f} tokens/s, x{row.ratio_vs_vllm:.2f} vs vllm")
+        log(f"vllm: {row.model} {row.mode} {row.side}: {row.tokens_per_s:.1f} tokens/s, "
+            f"x{row.ratio_vs_vllm:.2f} vs vllm")
     out = ROOT / "bench" / "results" / platform_of(device)
     out.mkdir(parents=True, exist_ok=True)
     frame.to_csv(out / "vllm.csv", index=False)
     table = summary.to_markdown(index=False, floatfmt=".2f")
-    detail = frame[["mode", "round", "side", "tokens_per_s", "ratio_vs_vllm", "runs"]].to_markdown(
+    detail = frame[["model", "mode", "round", "side", "tokens_per_s", "ratio_vs_vllm", "runs"]].to_markdown(
         index=False, floatfmt=".2f")
     (out / "vllm.md").write_text(
         "# vLLM generation with and without the hw_agnostic plugin\n\n"
         f"`python -m bench --suites vllm{' --quick' if quick else ''}`; {shape['seqs']} sequences, "
-        f"{shape['prompt_len']} prompt tokens, {shape['max_tokens']} generated tokens each, fp32, a 4-layer "
-        "Llama-style model (hidden 512, head size 64); generated tokens/s (best of 3 runs per process, "
+        f"{shape['prompt_len']} prompt tokens, {shape['max_tokens']} generated tokens each, fp32, 4-layer "
+        "Llama-style and Mixtral-style (8 experts, top 2) models (hidden 512, head size 64); "
+        "generated tokens/s (best of 3 runs per process, "
         "median over rounds); `vllm` is vLLM's own hw-agnostic layers (plugins off), "
-        "`hw_agnostic` the plugin's defaults (vLLM's CPU attention), `hw_agnostic_attention` with the "
-        "library's attention too. Ratios are per round, "
+        "`hw_agnostic` the plugin's defaults (vLLM's CPU attention and MoE), `hw_agnostic_attention` / "
+        "`hw_agnostic_moe` with the library's attention / MoE experts too. Ratios are per round, "
         f"sides alternating; machine load at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.\n\n"
         + table + "\n\nPer round:\n\n" + detail + "\n")
     log(f"vllm: wrote {out / 'vllm.md'}")

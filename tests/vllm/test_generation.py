@@ -43,7 +43,7 @@ def _run(tmp: Path, name: str, runs: list[dict], *, plugin: bool, extra_env: dic
     env.pop("HW_AGNOSTIC_COMPILE_REFERENCE", None)  # the plugin chooses the CPU path itself
     env.update(VLLM_USE_HW_AGNOSTIC="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(tmp / f"{name}.cache"),
                HW_AGNOSTIC_VLLM_COUNTS_DIR=str(tmp / f"{name}.counts"),
-               HW_AGNOSTIC_VLLM_OVERRIDES="+attention",  # off by default on the CPU (speed), tested here
+               HW_AGNOSTIC_VLLM_OVERRIDES="+attention,+moe",  # off by default on the CPU (speed), tested here
                **(extra_env or {}))
     if not plugin:
         env["VLLM_PLUGINS"] = ""  # an allow-list naming no plugin

@@ -59,7 +59,7 @@ def test_registers_every_override_once(fresh_registries, monkeypatch):
 
     main, hw = fresh_registries
     monkeypatch.setenv(plugin.ENABLE_ENV, "1")
-    monkeypatch.setenv(plugin.OVERRIDES_ENV, "+attention")
+    monkeypatch.setenv(plugin.OVERRIDES_ENV, "+attention,+moe")
     plugin.register()
     plugin.register()  # a second load of the plugin in the same process changes nothing
     assert set(plugin.registered().values()) == {"registered"}
@@ -80,21 +80,23 @@ def test_registers_every_override_once(fresh_registries, monkeypatch):
     assert type(norm) is hw["TPAwareRMSNorm"]
 
 
-def test_attention_is_off_by_default_on_the_cpu(fresh_registries, monkeypatch):
+def test_attention_and_moe_are_off_by_default_on_the_cpu(fresh_registries, monkeypatch):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+    main, hw = fresh_registries
     monkeypatch.setenv(plugin.ENABLE_ENV, "1")
     plugin.register()
     state = plugin.registered()
-    assert "off by default on the CPU" in state["attention"] and "+attention" in state["attention"]
-    assert not AttentionBackendEnum.CPU_ATTN.is_overridden()
-    assert {name for name, s in state.items() if s == "registered"} == set(plugin.OVERRIDES) - {"attention"}
+    for name in ("attention", "moe"):
+        assert "off by default on the CPU" in state[name] and f"+{name}" in state[name]
+    assert not AttentionBackendEnum.CPU_ATTN.is_overridden() and "UnquantizedFusedMoEMethod" not in main
+    assert {name for name, s in state.items() if s == "registered"} == set(plugin.OVERRIDES) - {"attention", "moe"}
 
 
 def test_overrides_can_be_turned_off(fresh_registries, monkeypatch):
     main, hw = fresh_registries
     monkeypatch.setenv(plugin.ENABLE_ENV, "true")
-    monkeypatch.setenv(plugin.OVERRIDES_ENV, "+attention, -attention,-moe")  # the last word wins
+    monkeypatch.setenv(plugin.OVERRIDES_ENV, "+attention, -attention,+moe,-moe")  # the last word wins
     plugin.register()
     state = plugin.registered()
     assert state["attention"].startswith("turned off") and state["moe"].startswith("turned off")
@@ -113,6 +115,7 @@ def test_a_bad_override_spec_is_an_error(fresh_registries, monkeypatch, spec):
 def test_missing_vllm_names_skip_the_override_with_one_warning(fresh_registries, monkeypatch, caplog):
     main, hw = fresh_registries
     monkeypatch.setenv(plugin.ENABLE_ENV, "1")
+    monkeypatch.setenv(plugin.OVERRIDES_ENV, "+moe")
     monkeypatch.setitem(_compat.REQUIRED, "moe", (("vllm.model_executor.layers.fused_moe", "NoSuchMethod"),))
     monkeypatch.setitem(_compat.REQUIRED, "gelu_and_mul", (("vllm.no_such_module", "GeluAndMul"),))
     with caplog.at_level(logging.WARNING, logger="vllm.hw_agnostic"):

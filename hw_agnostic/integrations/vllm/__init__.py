@@ -21,9 +21,9 @@ override           vLLM class replaced                           library ops
 
 ``HW_AGNOSTIC_VLLM_OVERRIDES`` turns overrides on or off, in vLLM's ``custom_ops`` style:
 ``-moe,-attention`` leaves those to vLLM, ``+attention`` turns on one that is off by default.
-All are on by default except, on the CPU, ``attention``: the library has no CPU attention kernel
-and its plain-PyTorch reference (a per-sequence loop) ran generation at a fraction of the speed
-vLLM's C++ CPU attention gives (``bench/results/cpu/vllm.md``). Each override runs vLLM's own code for the calls or
+All are on by default except, on the CPU, ``attention`` and ``moe``: the library has no CPU
+kernels for them, and their plain-PyTorch references (loops over sequences and over experts) ran
+generation at a fraction of the speed of vLLM's C++ CPU kernels (``bench/results/cpu/vllm.md``). Each override runs vLLM's own code for the calls or
 layers the ops do not cover (see its module).
 An override whose vLLM names are missing in the installed vLLM is skipped, with one warning
 naming them and the versions this plugin supports. Diagnostics go to the ``vllm.hw_agnostic``
@@ -48,9 +48,13 @@ OVERRIDES_ENV = "HW_AGNOSTIC_VLLM_OVERRIDES"
 COMPILE_REFERENCE_ENV = "HW_AGNOSTIC_COMPILE_REFERENCE"
 OVERRIDES = ("rms_norm", "gemma_rms_norm", "silu_and_mul", "gelu_and_mul", "swiglu_oai", "moe", "attention")
 CPU_ONLY = frozenset({"attention"})
+# Where the library has no CPU kernel, its CPU provider is the plain-PyTorch reference, and for
+# these two that is slower than vLLM's C++ CPU kernels (bench/results/cpu/vllm.md).
 OFF_BY_DEFAULT_ON_CPU = {
     "attention": "off by default on the CPU, where the library's paged attention is its slow reference "
                  f"({OVERRIDES_ENV}=+attention turns it on)",
+    "moe": "off by default on the CPU, where the library's fused_experts is its reference, a loop over "
+           f"experts ({OVERRIDES_ENV}=+moe turns it on)",
 }
 REGISTRARS = {
     "rms_norm": (".layers", "register_rms_norm"),
