@@ -1,6 +1,6 @@
 """vLLM rows: generation inside vLLM with the hw_agnostic plugin against vLLM without it.
 
-``make bench`` (suite ``vllm``) or ``python -m bench --suites vllm``. vLLM lives in its own venv
+``make bench`` (suite ``vllm``) or ``python -m bench.vllm_suite [--quick]``. vLLM lives in its own venv
 (``.venv-vllm``, made by ``make .venv-vllm/.installed``, as for ``make test-vllm``); each side is
 a separate process of ``bench/vllm_generate.py``, because the plugin registers per process:
 
@@ -109,7 +109,7 @@ def run(device: torch.device, *, quick: bool, log: Callable[[str], None]) -> Ite
         index=False, floatfmt=".2f")
     (out / "vllm.md").write_text(
         "# vLLM generation with and without the hw_agnostic plugin\n\n"
-        f"`python -m bench --suites vllm{' --quick' if quick else ''}`; {shape['seqs']} sequences, "
+        f"`python -m bench.vllm_suite{' --quick' if quick else ''}`; {shape['seqs']} sequences, "
         f"{shape['prompt_len']} prompt tokens, {shape['max_tokens']} generated tokens each, fp32, 4-layer "
         "Llama-style and Mixtral-style (8 experts, top 2) models (hidden 512, head size 64); "
         "generated tokens/s (best of 3 runs per process, "
