@@ -5,6 +5,8 @@
 * Tuned configs are read from and written to a per-session temporary directory, never the
   developer's own cache.
 * ``dsl`` tests need something that runs kernels: a GPU, or one of the CPU interpreters.
+  With ``HW_AGNOSTIC_COMPILE_TARGETS`` set (the compile tier) they run on the CPU in
+  compile-for-target mode, and each test fails if a launch it made broke a compile rule.
 * Hypothesis fuzzing is deterministic by default (see the profiles below).
 """
 
@@ -27,12 +29,14 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+from hw_agnostic.kernels import targets  # noqa: E402
 from hw_agnostic.kernels.interpret import interpreter_mode  # noqa: E402
 
 
 def kernel_device() -> str | None:
-    """Where DSL kernels run in this process: ``"cuda"``, ``"cpu"`` (an interpreter) or None."""
-    if interpreter_mode() is not None:
+    """Where DSL kernels run in this process: ``"cuda"``, ``"cpu"`` (an interpreter, or
+    compile-for-target mode, where launches compile and the reference computes) or None."""
+    if interpreter_mode() is not None or targets.active_mode() is not None:
         return "cpu"
     if torch.cuda.is_available():
         return "cuda"
@@ -66,3 +70,16 @@ def _fresh_plans():
     ops.reset()
     yield
     ops.reset()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """In compile-for-target mode (the compile tier), a ``dsl`` test fails if a launch it made does
+    not compile, spills, overflows shared memory or misses 128-bit loads (hw_agnostic.kernels.targets)."""
+    mode = targets.active_mode()
+    if mode is None or "dsl" not in item.keywords:
+        return (yield)
+    with targets.compile_for([t.name for t in mode.targets]) as compile_log:
+        result = yield
+    compile_log.check()
+    return result

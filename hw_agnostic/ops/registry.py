@@ -47,7 +47,8 @@ from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from ..autotune import cache as config_cache
 from ..autotune.keys import make_key
-from ..autotune.platform import platform_of
+from ..autotune.platform import compile_target, platform_of
+from ..kernels import targets
 from ..kernels.interpret import interpreter_mode
 from ..kernels.runtime import KernelSpec
 
@@ -56,6 +57,8 @@ log = logging.getLogger("hw_agnostic.ops")
 PROVIDER_ENV = "HW_AGNOSTIC_PROVIDER"
 COMPILE_ENV = "HW_AGNOSTIC_COMPILE_REFERENCE"
 GPU_DEVICES = frozenset({"cuda", "xpu"})
+#: Devices whose calls a Triton-generating provider takes in compile-for-target mode.
+TARGET_MODE_DEVICES = frozenset({"cpu", "meta"})
 
 
 class ProviderError(RuntimeError):
@@ -88,9 +91,15 @@ class Provider:
     tuning_key: Callable[[Any], dict[str, Any]] | None = None
     available: Callable[[], str | None] = _always_available
 
+    def compiles_for_targets(self, call: Any) -> bool:
+        """In compile-for-target mode a provider generating Triton takes CPU and meta calls:
+        its launches are compiled for the targets, and the reference computes the results."""
+        return (call.device in TARGET_MODE_DEVICES and "triton" in self.interpreters
+                and targets.active_mode() is not None)
+
     def why_not(self, call: Any) -> str | None:
         """None when this provider can run a call with this key, else the reason."""
-        if call.device not in self.devices:
+        if call.device not in self.devices and not self.compiles_for_targets(call):
             mode = interpreter_mode() if call.device == "cpu" else None
             if mode is None or mode not in self.interpreters:
                 supported = ", ".join(sorted(self.devices)) or "none"
@@ -116,11 +125,14 @@ class Plan:
     skipped: dict[str, str]
     run: Callable[..., Any]
     calls: int = 0
+    note: str | None = None
 
     def describe(self) -> str:
         parts = [f"{self.op}: {self.provider}"]
         if self.config is not None:
             parts.append(f"config {self.config.config} from {self.config.describe()}")
+        if self.note:
+            parts.append(self.note)
         if self.skipped:
             parts.append("skipped " + "; ".join(f"{name}: {why}" for name, why in self.skipped.items()))
         return ", ".join(parts) + f" [{self.key}]"
@@ -243,7 +255,10 @@ class Op:
                 built = self._build(provider, key, args, skipped)
                 if built is not None:
                     run, choice = built
-                    plan = Plan(self.name, key, provider.name, choice, skipped, run)
+                    note = None
+                    if provider.compiles_for_targets(key):
+                        run, note = self._compile_for_targets(run, key, args)
+                    plan = Plan(self.name, key, provider.name, choice, skipped, run, note=note)
                     self._plans[key] = plan
                     log.debug("%s", plan.describe())
                     return plan
@@ -278,15 +293,38 @@ class Op:
             )
             return provider.build(key, choice.config, args), choice
 
+    def _compile_for_targets(self, kernel_run: Callable[..., Any], key: Any,
+                             args: tuple[Any, ...]) -> tuple[Callable[..., Any], str]:
+        """The plan's run in compile-for-target mode: compile the launches, then let the reference
+        compute (unless the mode leaves outputs as the kernels allocated them)."""
+        mode = targets.active_mode()
+        assert mode is not None
+        reference_run = self.providers[-1].build(key, None, args) if mode.run_reference else None
+        name = self.name
+
+        def run(*call_args: Any) -> Any:
+            with targets.launched_by(name):
+                result = kernel_run(*call_args)
+            return result if reference_run is None else reference_run(*call_args)
+
+        where = ", ".join(t.name for t in mode.targets)
+        return run, f"compiled for {where}, " + ("results from the reference" if reference_run else "not run")
+
     def _config_for(self, provider: Provider, key: Any, args: tuple[Any, ...]) -> config_cache.ConfigChoice:
         assert provider.kernel is not None and provider.tuning_key is not None
         tuning_key = make_key(provider.tuning_key(key), key.tokens)
         override = _config_overrides.get(_family(self.name))
         if override is not None:
             return config_cache.ConfigChoice(dict(override), "override", "exact", tuning_key)
-        platform = platform_of(_first_device(args))
+        device = _first_device(args)
+        if provider.compiles_for_targets(key):  # the mode says whose configs a target compile uses
+            mode = targets.active_mode()
+            return config_cache.lookup(provider.kernel, mode.platform or platform_of(device), tuning_key,
+                                       warn_if_missing=False, target=mode.config_target)
+        platform = platform_of(device)
         return config_cache.lookup(
-            provider.kernel, platform, tuning_key, warn_if_missing=platform != "triton_interpreter"
+            provider.kernel, platform, tuning_key, warn_if_missing=platform != "triton_interpreter",
+            target=compile_target(device),
         )
 
 
@@ -391,6 +429,7 @@ def reset() -> None:
 
 
 config_cache.on_change(reset)
+targets.on_mode_change(reset)
 
 
 def _op_name(op: str | Op | Callable[..., Any]) -> str:

@@ -1,0 +1,276 @@
+"""``python -m hw_agnostic compile-report``: every kernel of every op, compiled for GPU targets.
+
+Walks each op on the shapes of real models (:mod:`hw_agnostic.autotune.shapes`: the widths an op
+sees in them, times the token counts the tuner uses) with meta tensors, in compile-for-target
+mode (:mod:`hw_agnostic.kernels.targets`), one target at a time so each target launches the
+configs it would get on such a GPU (tuned for ``--platform``, else the compile-chosen defaults of
+that target, else the kernel's built-in default). Writes one CSV row per op x shape x kernel x
+target (registers, spills, shared memory, widest loads and stores, matrix instruction, compile
+time, the problems the rules find) and a markdown summary.
+
+Meta tensors hold no data, so nothing is computed: the walk needs no memory for the largest
+shapes (a DeepSeek-V3 expert layer) and only the compilers' time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .kernels import targets as compile_targets
+
+DEFAULT_OUT = Path("bench/results/compile")
+#: Ops whose kernels another op already launches on the same shapes (the in-place form).
+SAME_KERNELS_AS = {"fused_add_rms_norm_": "fused_add_rms_norm"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    op: str
+    tokens: int
+    width: int
+    dtype: torch.dtype
+
+    @property
+    def label(self) -> str:
+        return f"{self.tokens}x{self.width}"
+
+
+def tunable_ops(names: str | Sequence[str] = "all") -> list[str]:
+    """Ops that launch DSL kernels, by name (``all``: every one but aliases of another's kernels)."""
+    from .ops.registry import all_ops
+
+    found = {name: op for name, op in all_ops().items()
+             if any(p.kernel is not None for p in op.providers) and op.example_inputs is not None}
+    if names == "all":
+        return sorted(n for n in found if n not in SAME_KERNELS_AS)
+    wanted = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
+    unknown = [n for n in wanted if n not in found]
+    if unknown:
+        raise ValueError(f"unknown or kernel-less ops {unknown}; ops with kernels: {', '.join(sorted(found))}")
+    return wanted
+
+
+def model_shapes(op_names: Iterable[str], dtypes: Iterable[torch.dtype], tokens: Iterable[int]) -> list[Shape]:
+    from .autotune.shapes import widths
+
+    return [Shape(name, t, w, dtype) for name in op_names for dtype in dtypes for w in widths(name) for t in tokens]
+
+
+def compile_shape(shape: Shape, target: str, *, platform: str | None = None) -> list[compile_targets.CompileRecord]:
+    """Compile what the op launches on ``shape`` (meta tensors) for one target."""
+    from .ops.registry import get_op
+
+    op = get_op(shape.op)
+    args = op.example_inputs(shape.tokens, shape.width, shape.dtype, "meta")
+    with compile_targets.compile_for([target], run_reference=False, platform=platform) as log:
+        op(*args)
+    return log.records
+
+
+def walk(shapes: Sequence[Shape], target_names: Sequence[str], *, platform: str | None = None,
+         progress: bool = True) -> Any:
+    """Every shape compiled for every target: a long-format frame, one row per record."""
+    import pandas as pd
+
+    rows: list[dict[str, Any]] = []
+    bar = _progress(len(shapes) * len(target_names), progress)
+    for target in target_names:
+        for shape in shapes:
+            bar.set_postfix_str(f"{target} {shape.op} {shape.label}", refresh=False)
+            base = {"op": shape.op, "tokens": shape.tokens, "width": shape.width,
+                    "dtype": str(shape.dtype).removeprefix("torch.")}
+            try:
+                records = compile_shape(shape, target, platform=platform)
+            except Exception as err:  # the op itself failed before any kernel compiled
+                rows.append({**base, "target": target, "ok": False, "error": f"{type(err).__name__}: {err}",
+                             "problems": f"op {shape.op} on {shape.label}: {type(err).__name__}: {err}"})
+                bar.update(1)
+                continue
+            for record in records:
+                row = {**base, **record.row(), "op": shape.op}
+                row["launched_by"] = record.op
+                row["problems"] = " | ".join(record.problems())
+                rows.append(row)
+            bar.update(1)
+    bar.close()
+    columns = ["op", "tokens", "width", "dtype", "kernel", "target", "ok", "registers", "spill_bytes", "shared",
+               "shared_limit", "load_bits", "store_bits", "matrix", "vector_rule", "num_warps", "num_stages",
+               "grid", "seconds", "config", "signature", "source", "launched_by", "memory_bound", "error",
+               "problems"]
+    frame = pd.DataFrame(rows)
+    return frame.reindex(columns=[c for c in columns if c in frame.columns] +
+                         [c for c in frame.columns if c not in columns])
+
+
+def summary_markdown(frame: Any, *, command: str, seconds: float) -> str:
+    """The report: per target, per kernel, and the problems found."""
+    import helion
+    import triton
+
+    frame = frame.copy()
+    frame["has_problem"] = frame["problems"].fillna("").astype(bool)
+    lines = [
+        "# Compile report: every kernel for every target",
+        "",
+        f"`{command}` on a machine without a GPU ({datetime.date.today().isoformat()}, triton {triton.__version__}, "
+        f"helion {helion.__version__}, torch {torch.__version__}; {seconds:.0f} s). Every op on the shapes of real "
+        "models, launched with the configs a GPU of that target would get, compiled by Triton's own backends from "
+        "the JIT-specialised launch arguments. Rules (`hw_agnostic/kernels/targets.py`): compiles, no register "
+        "spills, shared memory within the target's limit, 128-bit loads in memory-bound kernels on aligned "
+        "contiguous rows. `report.csv` has every row.",
+        "",
+        "## Per target",
+        "",
+    ]
+    per_target = []
+    for target, group in frame.groupby("target", sort=False):
+        gemm = group[group["matrix"].notna() & (group["matrix"] != "none")]
+        per_target.append({
+            "target": target,
+            "compiles": len(group),
+            "failed": int((~group["ok"].astype(bool)).sum()),
+            "spilling": int((group["spill_bytes"].fillna(0) > 0).sum()),
+            "over shared limit": int((group["shared"].fillna(0) > group["shared_limit"].fillna(float("inf"))).sum()),
+            "without 128-bit loads": int(group["problems"].fillna("").str.contains("128-bit").sum()),
+            "max registers": int(group["registers"].max()) if group["registers"].notna().any() else None,
+            "matrix instructions": ", ".join(f"{k} {v}" for k, v in gemm["matrix"].value_counts().items()) or "none",
+        })
+    lines += [_table(per_target), ""]
+    lines += ["## Per kernel", "",
+              "Over all shapes: registers and shared memory are the largest seen (limit in brackets), loads and "
+              "stores the narrowest widest-access seen, matrix the instruction classes seen.", ""]
+    kernels = []
+    for (kernel, target), group in frame[frame["kernel"].notna()].groupby(["kernel", "target"], sort=False):
+        kernels.append({
+            "kernel": kernel,
+            "target": target,
+            "ops": ", ".join(sorted(group["op"].unique())),
+            "shapes": len(group),
+            "ok": f"{int(group['ok'].astype(bool).sum())}/{len(group)}",
+            "registers": _max(group["registers"]),
+            "spills (B)": _max(group["spill_bytes"]),
+            "shared (B)": f"{_max(group['shared'])} [{int(group['shared_limit'].iloc[0])}]",
+            "load bits": _min(group["load_bits"]),
+            "store bits": _min(group["store_bits"]),
+            "matrix": ", ".join(sorted(group["matrix"].dropna().unique())),
+            "problems": int(group["has_problem"].sum()),
+        })
+    lines += [_table(sorted(kernels, key=lambda r: (r["kernel"], _target_order(r["target"])))), ""]
+    problems = frame[frame["has_problem"]]
+    lines += ["## Problems", ""]
+    if problems.empty:
+        lines += ["None: every launch compiled for every target and passed every rule.", ""]
+    else:
+        distinct = problems.assign(problem=problems["problems"].str.split(" \\| ")).explode("problem")
+        grouped = distinct.groupby("problem", sort=False)["tokens"].count().sort_values(ascending=False)
+        lines += [f"{len(problems)} of {len(frame)} compiles break a rule; each distinct message once "
+                  "(with how many shapes hit it):", ""]
+        for message, count in list(grouped.items())[:80]:
+            lines.append(f"- ({count}) {message}")
+        if len(grouped) > 80:
+            lines.append(f"- ... {len(grouped) - 80} more in report.csv")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _target_order(name: str) -> int:
+    return list(compile_targets.ALL_TARGETS).index(name) if name in compile_targets.ALL_TARGETS else 99
+
+
+def _max(column: Any) -> Any:
+    return int(column.max()) if column.notna().any() else "-"
+
+
+def _min(column: Any) -> Any:
+    return int(column.min()) if column.notna().any() else "-"
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    import pandas as pd
+
+    return pd.DataFrame(rows).to_markdown(index=False)
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="compile", unit="shape")
+
+
+def compile_report_main(argv: list[str] | None = None) -> int:
+    from .autotune.shapes import TOKEN_COUNTS
+
+    parser = argparse.ArgumentParser(prog="python -m hw_agnostic compile-report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--targets", default=",".join(compile_targets.ALL_TARGETS),
+                        help="comma-separated targets, or all (default: %(default)s)")
+    parser.add_argument("--ops", default="all", help="comma-separated op names, or all")
+    parser.add_argument("--dtypes", default="bfloat16", help="comma-separated dtypes (default: %(default)s)")
+    parser.add_argument("--tokens", default=",".join(map(str, TOKEN_COUNTS)), help="comma-separated token counts")
+    parser.add_argument("--platform", default=None,
+                        help="launch with this platform's tuned configs (e.g. nvidia_h100) instead of the defaults")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for report.csv and report.md")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when any launch breaks a rule")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
+
+    try:
+        target_names = [t.name for t in compile_targets.parse_targets(args.targets)]
+        op_names = tunable_ops(args.ops)
+        dtypes = [_dtype(name) for name in args.dtypes.split(",")]
+        tokens = [int(t) for t in args.tokens.split(",")]
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from .kernels.interpret import interpreter_mode
+
+    if interpreter_mode() is not None:
+        print(f"error: {compile_targets.INTERPRETER_CONFLICT}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("HW_AGNOSTIC_COMPILE_REFERENCE", "0")
+    start = time.perf_counter()
+    frame = walk(model_shapes(op_names, dtypes, tokens), target_names, platform=args.platform)
+    seconds = time.perf_counter() - start
+    args.out.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(args.out / "report.csv", index=False)
+    command = "python -m hw_agnostic compile-report " + " ".join(argv if argv is not None else sys.argv[1:])
+    (args.out / "report.md").write_text(summary_markdown(frame, command=command.strip(), seconds=seconds))
+    broken = int(frame["problems"].fillna("").astype(bool).sum())
+    print(f"{len(frame)} compiles for {', '.join(target_names)} in {seconds:.0f} s; {broken} break a rule; "
+          f"wrote {args.out / 'report.csv'} and {args.out / 'report.md'}")
+    return 1 if args.strict and broken else 0
+
+
+def _dtype(name: str) -> torch.dtype:
+    value = getattr(torch, name.strip(), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"--dtypes: {name!r} is not a torch dtype")
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(compile_report_main())
