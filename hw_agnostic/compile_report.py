@@ -2,9 +2,9 @@
 
 Walks each op on the shapes of real models (:mod:`hw_agnostic.autotune.shapes`: the widths an op
 sees in them, times the token counts the tuner uses) with meta tensors, in compile-for-target
-mode (:mod:`hw_agnostic.kernels.targets`), one target at a time so each target launches the
-configs it would get on such a GPU (tuned for ``--platform``, else the compile-chosen defaults of
-that target, else the kernel's built-in default). Writes one CSV row per op x shape x kernel x
+mode (:mod:`hw_agnostic.kernels.targets`), where each target launches the configs it would get on
+such a GPU (tuned for ``--platform``, else the compile-chosen defaults of that target, else the
+kernel's built-in default). Writes one CSV row per op x shape x kernel x
 target (registers, spills, shared memory, widest loads and stores, matrix instruction, compile
 time, the problems the rules find) and a markdown summary.
 
@@ -67,13 +67,89 @@ def model_shapes(op_names: Iterable[str], dtypes: Iterable[torch.dtype], tokens:
     return [Shape(name, t, w, dtype) for name in op_names for dtype in dtypes for w in widths(name) for t in tokens]
 
 
-def compile_shape(shape: Shape, target: str, *, platform: str | None = None) -> list[compile_targets.CompileRecord]:
-    """Compile what the op launches on ``shape`` (meta tensors) for one target."""
+def compile_shape(shape: Shape, target_names: Sequence[str], *,
+                  platform: str | None = None) -> list[compile_targets.CompileRecord]:
+    """Compile what the op launches on ``shape`` (meta tensors) for each target, with its config."""
     from .ops.registry import get_op
 
     op = get_op(shape.op)
     args = op.example_inputs(shape.tokens, shape.width, shape.dtype, "meta")
-    with compile_targets.compile_for([target], run_reference=False, platform=platform) as log:
+    with compile_targets.compile_for(target_names, run_reference=False, platform=platform) as log:
+        op(*args)
+    return log.records
+
+
+@dataclasses.dataclass(frozen=True)
+class ShippedEntry:
+    """One entry of a shipped config file, with the model shape that reaches its key."""
+
+    path: Path
+    folder: str  # a platform (tuned configs) or a compile target (compile-chosen defaults)
+    targets: tuple[str, ...]  # what to compile it for
+    shape: Shape | None  # None: no model shape gives this key
+    key: dict[str, Any]
+    config: dict[str, Any]
+    builtin: bool  # the config equals the kernel's built-in default for the key
+
+
+def shipped_entries(root: Path | None = None) -> list[ShippedEntry]:
+    """Every entry of every shipped config file, matched to the model shape whose key it is.
+
+    Tuned files (``<platform>/``) are compiled for the platform's target (every target when the
+    platform is none of them); compile-chosen defaults (``<target>/``) for their own target.
+    """
+    from .autotune import cache
+    from .autotune.keys import key_string, make_key
+    from .autotune.platform import PLATFORM_TARGETS
+    from .autotune.shapes import widths
+    from .ops.registry import get_op
+
+    root = cache.SHIPPED_ROOT if root is None else root
+    kernels_of = {}
+    for name in tunable_ops():
+        op = get_op(name)
+        provider = next(p for p in op.providers if p.kernel is not None)
+        kernels_of.setdefault(provider.kernel.name, []).append((name, provider))
+    found: list[ShippedEntry] = []
+    for path in sorted(root.glob("*/*.json")):
+        folder, kernel_name = path.parent.name, path.stem
+        if folder in compile_targets.TARGETS:
+            target_names: tuple[str, ...] = (folder,)
+        elif folder in PLATFORM_TARGETS:
+            target_names = (PLATFORM_TARGETS[folder],)
+        else:
+            target_names = compile_targets.ALL_TARGETS
+        users = kernels_of.get(kernel_name, [])
+        if not users:
+            raise ValueError(f"{path}: no op launches a kernel named {kernel_name!r}")
+        spec = users[0][1].kernel
+        parsed = cache.parse_file(path, spec, folder)  # raises on stale or corrupt files
+        keyed: dict[str, Shape] = {}
+        with compile_targets.compile_for(target_names[:1], run_reference=False):  # providers take meta calls
+            for name, provider in users:
+                op = get_op(name)
+                for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                    for width in widths(name):
+                        for tokens in (1 << i for i in range(15)):
+                            call_key = op.key(*op.example_inputs(tokens, width, dtype, "meta"))
+                            if provider.why_not(call_key) is None:
+                                tuning_key = make_key(provider.tuning_key(call_key), call_key.tokens)
+                                keyed.setdefault(key_string(tuning_key), Shape(name, tokens, width, dtype))
+        for text, (key, config) in parsed.entries.items():
+            found.append(ShippedEntry(path, folder, target_names, keyed.get(text), key, config,
+                                      config == spec.default_config(key)))
+    return found
+
+
+def compile_entry(entry: ShippedEntry, target: str) -> list[compile_targets.CompileRecord]:
+    """Compile a shipped entry's config on its model shape for ``target``."""
+    from .ops import use_config
+    from .ops.registry import get_op
+
+    assert entry.shape is not None
+    op = get_op(entry.shape.op)
+    args = op.example_inputs(entry.shape.tokens, entry.shape.width, entry.shape.dtype, "meta")
+    with compile_targets.compile_for([target], run_reference=False) as log, use_config(op, entry.config):
         op(*args)
     return log.records
 
@@ -84,25 +160,25 @@ def walk(shapes: Sequence[Shape], target_names: Sequence[str], *, platform: str 
     import pandas as pd
 
     rows: list[dict[str, Any]] = []
-    bar = _progress(len(shapes) * len(target_names), progress)
-    for target in target_names:
-        for shape in shapes:
-            bar.set_postfix_str(f"{target} {shape.op} {shape.label}", refresh=False)
-            base = {"op": shape.op, "tokens": shape.tokens, "width": shape.width,
-                    "dtype": str(shape.dtype).removeprefix("torch.")}
-            try:
-                records = compile_shape(shape, target, platform=platform)
-            except Exception as err:  # the op itself failed before any kernel compiled
-                rows.append({**base, "target": target, "ok": False, "error": f"{type(err).__name__}: {err}",
-                             "problems": f"op {shape.op} on {shape.label}: {type(err).__name__}: {err}"})
-                bar.update(1)
-                continue
-            for record in records:
-                row = {**base, **record.row(), "op": shape.op}
-                row["launched_by"] = record.op
-                row["problems"] = " | ".join(record.problems())
-                rows.append(row)
+    bar = _progress(len(shapes), progress)
+    for shape in shapes:
+        bar.set_postfix_str(f"{shape.op} {shape.label}", refresh=False)
+        base = {"op": shape.op, "tokens": shape.tokens, "width": shape.width,
+                "dtype": str(shape.dtype).removeprefix("torch.")}
+        try:
+            records = compile_shape(shape, target_names, platform=platform)
+        except Exception as err:  # the op itself failed before any kernel compiled
+            rows.append({**base, "target": ",".join(target_names), "ok": False,
+                         "error": f"{type(err).__name__}: {err}",
+                         "problems": f"op {shape.op} on {shape.label}: {type(err).__name__}: {err}"})
             bar.update(1)
+            continue
+        for record in records:
+            row = {**base, **record.row(), "op": shape.op}
+            row["launched_by"] = record.op
+            row["problems"] = " | ".join(record.problems())
+            rows.append(row)
+        bar.update(1)
     bar.close()
     columns = ["op", "tokens", "width", "dtype", "kernel", "target", "ok", "registers", "spill_bytes", "shared",
                "shared_limit", "load_bits", "store_bits", "matrix", "vector_rule", "num_warps", "num_stages",

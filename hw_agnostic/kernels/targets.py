@@ -19,9 +19,11 @@ store, and the matrix instruction class (``tcgen05`` / ``wgmma`` / ``mma.sync`` 
 * no register spills (NVIDIA spill stores/loads, AMD VGPR/SGPR spills or scratch);
 * its shared memory (LDS) fits the target's per-program limit;
 * a memory-bound kernel (:attr:`Launch.memory_bound`) reading rows that could be read with
-  16-byte vectors (every floating-point tensor argument has unit inner stride, 16-byte aligned
-  start, row strides and row width, and its tiles hold at least 16 bytes per thread) uses
-  128-bit global loads.
+  16-byte vectors (every floating-point tensor argument has unit inner stride, a 16-byte aligned
+  start, row strides and row width that are multiples of 16 elements, the facts the JIT's
+  specialisation can prove, and its tiles hold at least 16 bytes for each thread of a warp)
+  uses 128-bit global loads. A config with more threads than 16-byte pieces of its tile
+  breaks this rule: its threads load narrower pieces.
 
 Turn it on for a whole process with ``HW_AGNOSTIC_COMPILE_TARGETS=sm_80,sm_90,sm_100,gfx942,
 gfx1100`` (or ``all``), or for a block with :func:`compile_for`. Kernels must be generated
@@ -212,18 +214,16 @@ class Mode:
     #: allocated (fine for meta tensors and for walking shapes too big to compute on a CPU).
     run_reference: bool = True
     #: Whose tuned configs the ops look up (e.g. ``nvidia_h100``); None: the calling device's.
+    #: Each target also gets its own compile-chosen defaults where that platform has no file.
     platform: str | None = None
-
-    @property
-    def config_target(self) -> str | None:
-        """The one target whose compile-chosen defaults apply, when the mode has one target."""
-        return self.targets[0].name if len(self.targets) == 1 else None
 
 
 _modes: list[tuple[Mode, CompileLog]] = []
 _process_log = CompileLog()
 _env_mode: dict[str, Mode] = {}
 _op_label: contextvars.ContextVar[str | None] = contextvars.ContextVar("hw_agnostic_compile_op", default=None)
+_only: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("hw_agnostic_compile_only",
+                                                                               default=None)
 _mode_listeners: list[Callable[[], None]] = []
 
 
@@ -255,9 +255,9 @@ def compile_for(targets: str | Iterable[str] = ALL_TARGETS, *, run_reference: bo
                 platform: str | None = None) -> Iterator[CompileLog]:
     """Compile every kernel launch inside the block for ``targets`` instead of running it.
 
-    ``platform`` makes the ops launch with that platform's tuned configs (``nvidia_h100``);
-    by default they use the calling device's, which on a CPU means the built-in defaults (or,
-    with one target, that target's compile-chosen defaults).
+    Each target compiles the config a GPU of it would launch: ``platform``'s tuned configs
+    (``nvidia_h100``; by default the calling device's, on a CPU none), else the target's
+    compile-chosen defaults, else the kernel's built-in default.
     """
     from .interpret import interpreter_mode
 
@@ -289,6 +289,17 @@ def launched_by(op: str) -> Iterator[None]:
         _op_label.reset(token)
 
 
+@contextlib.contextmanager
+def only(names: Iterable[str]) -> Iterator[None]:
+    """Compile the launches made inside the block for these of the mode's targets only (a plan
+    builds one launcher per config, and targets that get different configs use different ones)."""
+    token = _only.set(tuple(names))
+    try:
+        yield
+    finally:
+        _only.reset(token)
+
+
 INTERPRETER_CONFLICT = (
     f"compile-for-target mode ({TARGETS_ENV} / compile_for) cannot run under TRITON_INTERPRET=1 or "
     "HELION_INTERPRET=1: kernels generated for an interpreter reference interpreter-patched functions "
@@ -317,7 +328,10 @@ class TargetLaunch:
         args, options = _launch_arguments(args, options)
         launch = Launch(self.kernel, self.config, jit_fn, tuple(grid), args, options, self.memory_bound,
                         _op_label.get())
+        chosen = _only.get()
         for target in mode.targets:
+            if chosen is not None and target.name not in chosen:
+                continue
             record = compile_launch(launch, target)
             for _, compile_log in _modes:
                 compile_log.add(record)
@@ -580,23 +594,24 @@ _TTIR_LOAD = re.compile(r"tt\.load\b[^\n]*?:\s*tensor<([0-9x]+)x!tt\.ptr<(\w+)>>
 _FLOAT_BYTES = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "f8E4M3FN": 1, "f8E5M2": 1}
 
 
-def _vector_rule(launch: Launch, ttir: str, threads: int) -> str:
+def _vector_rule(launch: Launch, ttir: str, warp_size: int) -> str:
     """Whether this launch must read with 16-byte vectors, or why not."""
     if not launch.memory_bound:
         return "exempt: not memory-bound"
     for arg in launch.args:
         if isinstance(arg, torch.Tensor) and arg.is_floating_point() and arg.numel() > 0:
-            size = arg.element_size()
             if arg.dim() == 0 or arg.stride(-1) != 1:
                 return "exempt: strided rows"
-            if arg.data_ptr() % VECTOR_BYTES or (arg.shape[-1] * size) % VECTOR_BYTES or any(
-                (stride * size) % VECTOR_BYTES for stride, extent in zip(arg.stride()[:-1], arg.shape[:-1]) if extent > 1
+            # What the JIT can prove (its specialisation marks 16-divisible ints and 16-byte-aligned
+            # pointers): rows start aligned and are a multiple of 16 elements wide and apart.
+            if arg.data_ptr() % VECTOR_BYTES or arg.shape[-1] % 16 or any(
+                stride % 16 for stride, extent in zip(arg.stride()[:-1], arg.shape[:-1]) if extent > 1
             ):
-                return "exempt: rows not 16-byte aligned"
+                return "exempt: rows not 16-element aligned"
     tile_bytes = max((_numel(shape) * _FLOAT_BYTES[dtype] for shape, dtype in _TTIR_LOAD.findall(ttir)
                       if dtype in _FLOAT_BYTES), default=0)
-    if tile_bytes < VECTOR_BYTES * threads:
-        return f"exempt: tiles of {tile_bytes} bytes give under 16 bytes to each of {threads} threads"
+    if tile_bytes < VECTOR_BYTES * warp_size:
+        return f"exempt: tiles of {tile_bytes} bytes give under 16 bytes to each thread of one warp"
     return "required"
 
 
@@ -617,8 +632,7 @@ def _measure(compiled: Any, launch: Launch, target: Target, common: dict[str, An
         code = asm["amdgcn"]
         registers, spills = _amdgcn_resources(code)
         load_bits, store_bits = _amd_access_bits(code)
-    threads = int(compiled.metadata.num_warps) * target.warp_size
     return CompileRecord(**common, ok=True, error=None, seconds=seconds, registers=registers, spill_bytes=spills,
                          shared=int(compiled.metadata.shared), load_bits=load_bits, store_bits=store_bits,
                          matrix=_matrix_class(code, target), matrix_dots=_matrix_dots(asm["ttir"]),
-                         vector_rule=_vector_rule(launch, asm["ttir"], threads))
+                         vector_rule=_vector_rule(launch, asm["ttir"], target.warp_size))

@@ -44,7 +44,7 @@ def _write_kv_cache(
             hl.store(v_cache, [slot, heads, dims], value[tile_t, tile_h, tile_d], extra_mask=keep[:, None, None])
 
 
-write_kv_cache_kernel = HelionFunction(_write_kv_cache)
+write_kv_cache_kernel = HelionFunction(_write_kv_cache, memory_bound=True)
 
 
 # --------------------------------------------------------------------------------------------

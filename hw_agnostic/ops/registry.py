@@ -252,12 +252,13 @@ class Op:
                 continue
             reason = provider.why_not(key)
             if reason is None:
-                built = self._build(provider, key, args, skipped)
+                note = None
+                if provider.compiles_for_targets(key):
+                    built, note = self._build_for_targets(provider, key, args, skipped)
+                else:
+                    built = self._build(provider, key, args, skipped)
                 if built is not None:
                     run, choice = built
-                    note = None
-                    if provider.compiles_for_targets(key):
-                        run, note = self._compile_for_targets(run, key, args)
                     plan = Plan(self.name, key, provider.name, choice, skipped, run, note=note)
                     self._plans[key] = plan
                     log.debug("%s", plan.describe())
@@ -272,9 +273,9 @@ class Op:
         raise AssertionError(f"{self.name}: the reference provider refused a call: {skipped}")
 
     def _build(
-        self, provider: Provider, key: Any, args: tuple[Any, ...], skipped: dict[str, str]
+        self, provider: Provider, key: Any, args: tuple[Any, ...], skipped: dict[str, str], target: str | None = None
     ) -> tuple[Callable[..., Any], config_cache.ConfigChoice | None] | None:
-        choice = self._config_for(provider, key, args) if provider.kernel is not None else None
+        choice = self._config_for(provider, key, args, target) if provider.kernel is not None else None
         try:
             return provider.build(key, None if choice is None else choice.config, args), choice
         except Exception as err:
@@ -293,34 +294,52 @@ class Op:
             )
             return provider.build(key, choice.config, args), choice
 
-    def _compile_for_targets(self, kernel_run: Callable[..., Any], key: Any,
-                             args: tuple[Any, ...]) -> tuple[Callable[..., Any], str]:
-        """The plan's run in compile-for-target mode: compile the launches, then let the reference
-        compute (unless the mode leaves outputs as the kernels allocated them)."""
+    def _build_for_targets(
+        self, provider: Provider, key: Any, args: tuple[Any, ...], skipped: dict[str, str]
+    ) -> tuple[tuple[Callable[..., Any], config_cache.ConfigChoice | None] | None, str | None]:
+        """Compile-for-target mode: each target builds with the config a GPU of it would get, the
+        launches compile instead of running, and the reference computes (unless the mode says not)."""
         mode = targets.active_mode()
         assert mode is not None
+        groups: dict[str, list[str]] = {}
+        for target in mode.targets:
+            choice = self._config_for(provider, key, args, target.name) if provider.kernel is not None else None
+            groups.setdefault(repr(choice and choice.config), []).append(target.name)
+        launches = []
+        for names in groups.values():
+            built = self._build(provider, key, args, skipped, target=names[0])
+            if built is None:
+                return None, None
+            launches.append((tuple(names), *built))
         reference_run = self.providers[-1].build(key, None, args) if mode.run_reference else None
         name = self.name
 
         def run(*call_args: Any) -> Any:
+            result = None
             with targets.launched_by(name):
-                result = kernel_run(*call_args)
+                for names, kernel_run, _ in launches:
+                    with targets.only(names):
+                        result = kernel_run(*call_args)
             return result if reference_run is None else reference_run(*call_args)
 
-        where = ", ".join(t.name for t in mode.targets)
-        return run, f"compiled for {where}, " + ("results from the reference" if reference_run else "not run")
+        where = "; ".join(", ".join(names) + (f" (config {choice.config} from {choice.describe()})"
+                                               if len(launches) > 1 and choice is not None else "")
+                          for names, _, choice in launches)
+        note = f"compiled for {where}, " + ("results from the reference" if reference_run else "not run")
+        return (run, launches[0][2]), note
 
-    def _config_for(self, provider: Provider, key: Any, args: tuple[Any, ...]) -> config_cache.ConfigChoice:
+    def _config_for(self, provider: Provider, key: Any, args: tuple[Any, ...],
+                    target: str | None = None) -> config_cache.ConfigChoice:
         assert provider.kernel is not None and provider.tuning_key is not None
         tuning_key = make_key(provider.tuning_key(key), key.tokens)
         override = _config_overrides.get(_family(self.name))
         if override is not None:
             return config_cache.ConfigChoice(dict(override), "override", "exact", tuning_key)
         device = _first_device(args)
-        if provider.compiles_for_targets(key):  # the mode says whose configs a target compile uses
+        if provider.compiles_for_targets(key):  # what a GPU of this target would launch
             mode = targets.active_mode()
             return config_cache.lookup(provider.kernel, mode.platform or platform_of(device), tuning_key,
-                                       warn_if_missing=False, target=mode.config_target)
+                                       warn_if_missing=False, target=target)
         platform = platform_of(device)
         return config_cache.lookup(
             provider.kernel, platform, tuning_key, warn_if_missing=platform != "triton_interpreter",

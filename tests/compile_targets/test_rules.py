@@ -1,8 +1,8 @@
 """The compile rules catch what they promise to, and the mode runs programs through.
 
 Each rule gets a kernel or config that breaks it: a kernel whose code no target's assembler
-accepts, a grouped-GEMM config whose tiles overflow shared memory, a memory-bound kernel that
-reads aligned rows one element at a time, and the failure message must name kernel, config and
+accepts, a grouped-GEMM config whose tiles overflow shared memory, a norm config with more
+threads than 16-byte pieces of its rows, and the failure message must name kernel, config and
 target. The mode itself: results come from the reference, in-place ops mutate, plans say what
 happened, bad target names and interpreter variables are refused.
 """
@@ -27,13 +27,7 @@ def _bad_asm(x: torch.Tensor, out: torch.Tensor) -> None:
                                               is_pure=True, pack=1)
 
 
-def _gather(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
-    for tile in hl.tile(out.size(0)):
-        out[tile] = x[index[tile]] * 2.0
-
-
 bad_asm_kernel = HelionFunction(_bad_asm)
-gather_kernel = HelionFunction(_gather, memory_bound=True)
 BLOCK = {"block_sizes": [1024], "num_warps": 4, "num_stages": 1}
 
 
@@ -56,10 +50,11 @@ def test_a_kernel_that_does_not_compile_fails_naming_kernel_config_and_target(al
 
 
 def test_a_config_overflowing_shared_memory_fails_naming_kernel_config_and_target(all_targets):
-    args = ops.get_op("grouped_gemm").example_inputs(512, 4096, torch.bfloat16, "meta")
-    huge = {"block_sizes": [256, 256, 128], "num_warps": 8, "num_stages": 4}  # ~1 MiB of operand stages
-    with targets.compile_for(all_targets, run_reference=False) as log, ops.use_config(ops.grouped_gemm, huge):
-        ops.grouped_gemm(*args)
+    gemm = ops.get_op("grouped_gemm")
+    args = gemm.example_inputs(512, 4096, torch.bfloat16, "meta")
+    huge = {"block_sizes": [256, 128], "num_warps": 8, "num_stages": 5}  # 256x128 bf16 B tiles, 5 stages: 272 KiB
+    with targets.compile_for(all_targets, run_reference=False) as log, ops.use_config(gemm, huge):
+        gemm(*args)
     overflowing = [r for r in log.records if r.ok and r.shared > r.shared_limit]
     assert {r.target for r in overflowing} == set(all_targets)
     with pytest.raises(targets.TargetCompileError) as raised:
@@ -69,13 +64,19 @@ def test_a_config_overflowing_shared_memory_fails_naming_kernel_config_and_targe
         assert f"over the target's {record.shared_limit}" in str(raised.value)
 
 
-def test_scalar_loads_of_aligned_rows_fail_a_memory_bound_kernel(all_targets):
-    x, index = torch.randn(8192), torch.randperm(8192)[:4096]
-    with targets.compile_for(all_targets) as log:
-        _launch(gather_kernel, BLOCK, (x, index, torch.empty(4096)))
+def test_narrow_loads_of_aligned_rows_fail_a_memory_bound_kernel(all_targets):
+    # 32 warps on one 4096-wide bf16 row: 1024 threads for 512 16-byte pieces, so 8-byte loads.
+    crowded = {"block_sizes": [1], "reduction_loops": [None], "num_warps": 32, "num_stages": 1}
+    x = torch.randn(4, 4096, dtype=torch.bfloat16)
+    with targets.compile_for(all_targets) as log, ops.use_config(ops.rms_norm, crowded):
+        ops.rms_norm(x, torch.ones(4096, dtype=torch.bfloat16))
     assert all(r.vector_rule == "required" and r.load_bits < 128 for r in log.records)
-    with pytest.raises(targets.TargetCompileError, match="kernel gather, config .* target sm_90.* not 128-bit"):
+    config = json.dumps(crowded, sort_keys=True)
+    with pytest.raises(targets.TargetCompileError) as raised:
         log.check()
+    for target in all_targets:
+        assert f"kernel rms_norm, config {config}, target {target} (op rms_norm): memory-bound kernel reads " \
+               "16-byte-aligned contiguous rows with at most" in str(raised.value)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "padded"])
@@ -88,8 +89,8 @@ def test_the_norm_reads_aligned_rows_with_128_bit_vectors(layout, all_targets):
     for record in log.records:
         if layout == "contiguous":
             assert record.vector_rule == "required" and record.load_bits == 128 and record.store_bits == 128
-        else:  # rows 8218 bytes apart: no 16-byte vectors possible, and none demanded
-            assert record.vector_rule == "exempt: rows not 16-byte aligned"
+        else:  # rows 4109 elements apart: no 16-byte vectors provable, and none demanded
+            assert record.vector_rule == "exempt: rows not 16-element aligned"
         assert "x_stride_1=1" in record.signature and "n:i32:16" in record.signature
 
 
@@ -121,7 +122,8 @@ def test_results_come_from_the_reference_and_in_place_ops_mutate(all_targets):
     log.check()
 
 
-def test_plans_made_outside_the_mode_are_not_reused_inside_it():
+def test_plans_made_outside_the_mode_are_not_reused_inside_it(monkeypatch):
+    monkeypatch.delenv(targets.TARGETS_ENV)
     x, weight = torch.randn(4, 32), torch.randn(32)
     ops.rms_norm(x, weight)  # the reference on this CPU
     assert [p.provider for p in ops.get_op("rms_norm").plans()] == ["reference"]
@@ -147,16 +149,18 @@ def test_bad_target_names_and_interpreters_are_refused(monkeypatch):
 
 def test_meta_tensors_compile_without_memory():
     # A DeepSeek-V3 expert layer: 2 x 256 experts x 7168 x 2048 bf16 weights, 15 GB each on a real device.
-    args = ops.get_op("fused_experts").example_inputs(64, 7168, torch.bfloat16, "meta")
+    experts = ops.get_op("fused_experts")
+    args = experts.example_inputs(64, 7168, torch.bfloat16, "meta")
     with targets.compile_for(["sm_90"], run_reference=False) as log:
-        out = ops.fused_experts(*args[:5], activation="silu")
+        out = experts(*args)
     assert out.device.type == "meta" and out.shape == (64, 7168)
     kernels = {r.kernel for r in log.records}
     assert {"count_pairs", "segment_offsets", "scatter_pairs", "grouped_gemm", "gated_activation",
             "combine_topk"} <= kernels
 
 
-def test_the_registry_accepts_cpu_and_meta_only_for_triton_providers():
+def test_the_registry_accepts_cpu_and_meta_only_for_triton_providers(monkeypatch):
+    monkeypatch.delenv(targets.TARGETS_ENV)
     provider = next(p for p in ops.get_op("rms_norm").providers if p.name == "helion")
     key = ops.get_op("rms_norm").key(torch.randn(2, 8), None, 1e-6, "llama")
     with targets.compile_for(["sm_80"]):
