@@ -192,7 +192,8 @@ def choose_all(op_names: Sequence[str], target_names: Sequence[str], dtypes: Seq
 
 def save(choices: Sequence[Choice], root: Path) -> list[Path]:
     """Write one file per (target, kernel) with an entry per key that has a qualifying config."""
-    import helion
+    from importlib import metadata
+
     import triton
 
     from ..ops.registry import get_op
@@ -204,7 +205,7 @@ def save(choices: Sequence[Choice], root: Path) -> list[Path]:
         kernel = next(p.kernel for p in get_op(choice.op).providers if p.kernel is not None)
         by_file.setdefault((choice.target, kernel), []).append(choice)
     made_with = {"rule": "hw_agnostic.autotune.target_defaults", "triton": triton.__version__,
-                 "helion": helion.__version__, "torch": torch.__version__}
+                 "helion": metadata.version("helion"), "torch": torch.__version__}
     paths = []
     for (target, kernel), group in by_file.items():
         entries = [(c.key, c.config, {"chosen": c.summary()}) for c in group]

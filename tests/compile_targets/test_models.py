@@ -18,6 +18,9 @@ from tests.test_attention_integration import padded_prompts
 from tests.test_moe_integration import build
 
 NEW_TOKENS = 6
+#: gpt-oss compiles one target per backend: its MoE kernels meet every target in the headline
+#: walk (test_default_configs), and five targets of them cost a minute more.
+TARGETS_OF = {"qwen3": None, "gpt_oss": ("sm_90", "gfx942")}
 #: Kernels each family must launch (the norms, attention and MLP or experts of its layers).
 EXPECTED_KERNELS = {
     "qwen3": {"rms_norm", "fused_add_rms_norm_row", "gated_activation", "write_kv_cache", "paged_attention"},
@@ -37,12 +40,13 @@ def _model(family: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize("family", sorted(EXPECTED_KERNELS))
 def test_a_rewired_model_generates_hf_tokens_while_every_kernel_compiles(family, all_targets):
+    wanted = [t for t in all_targets if TARGETS_OF[family] is None or t in TARGETS_OF[family]] or all_targets
     model, reference = _model(family), _model(family)
     ids, mask = padded_prompts(length=13)
     with torch.no_grad():
         want_logits = reference(ids, attention_mask=mask).logits
         want = reference.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-    with targets.compile_for(all_targets) as log:
+    with targets.compile_for(wanted) as log:
         report = hw_agnostic.rewire(model)
         with torch.no_grad(), ops.trace_dispatch() as ran:
             logits = model(ids, attention_mask=mask).logits
@@ -55,5 +59,5 @@ def test_a_rewired_model_generates_hf_tokens_while_every_kernel_compiles(family,
     assert not fallbacks, fallbacks
     compiled = {r.kernel for r in log.records}
     assert EXPECTED_KERNELS[family] <= compiled, EXPECTED_KERNELS[family] - compiled
-    assert {r.target for r in log.records} == set(all_targets)
+    assert {r.target for r in log.records} == set(wanted)
     log.check()
