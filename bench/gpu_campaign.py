@@ -226,13 +226,15 @@ for name, tokens, width in shapes:
             knobs.runtime.jit_post_compile_hook = None
         for info in seen:
             fn, key = info.get("fn"), info.get("key")
-            device = torch.cuda.current_device()
-            kernel = fn.jit_function.device_caches[device][0].get(key) if fn is not None else None
-            if kernel is None:
+            if fn is None:
                 continue
-            kernel._init_handles()
-            real[fn.jit_function.fn.__name__.removeprefix("_helion__").lstrip("_")] = {
-                "registers": kernel.n_regs, "spills": kernel.n_spills, "shared": kernel.metadata.shared}
+            name = fn.jit_function.fn.__name__.removeprefix("_helion__").lstrip("_")
+            try:  # the loaded kernel's own numbers (JIT internals: recorded, never fatal)
+                kernel = fn.jit_function.device_caches[torch.cuda.current_device()][0][key]
+                kernel._init_handles()
+                real[name] = {"registers": kernel.n_regs, "spills": kernel.n_spills, "shared": kernel.metadata.shared}
+            except Exception as err:
+                real[name] = {"error": f"{type(err).__name__}: {err}"}
     for kernel, record in predicted.items():
         rows.append({"op": name, "tokens": tokens, "width": width, "kernel": kernel, "target": target,
                      "config": record.config, "predicted": {"registers": record.registers,
