@@ -86,7 +86,8 @@ class Campaign:
 
     def run(self, phase: Phase, command: list[str], *, env: dict[str, str] | None = None, log_name: str) -> bool:
         """Run one phase's command under its budget (cut to what the campaign has left)."""
-        budget = min(phase.budget_s, self.remaining() - self.reserve())
+        # A CPU dry run pays interpreter and import time, not GPU time: three times the budget.
+        budget = min(phase.budget_s * (3 if self.dry_run else 1), self.remaining() - self.reserve())
         self.phases.append(phase)
         if budget < 5:
             phase.status, phase.detail = "skipped", "no time left"

@@ -133,12 +133,18 @@ def shipped_entries(root: Path | None = None) -> list[ShippedEntry]:
         spec = users[0][1].kernel
         parsed = cache.parse_file(path, spec, folder)  # raises on stale or corrupt files
         keyed: dict[str, Shape] = {}
+        wanted = set(parsed.entries)
+        dtypes = {str(key.get("dtype")) for key, _ in parsed.entries.values()}
         with compile_targets.compile_for(target_names[:1], run_reference=False):  # providers take meta calls
             for name, provider in users:
                 op = get_op(name)
                 for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                    if "None" not in dtypes and str(dtype).removeprefix("torch.") not in dtypes:
+                        continue
                     for width in widths(name):
                         for tokens in (1 << i for i in range(15)):
+                            if wanted <= set(keyed):
+                                break
                             call_key = op.key(*op.example_inputs(tokens, width, dtype, "meta"))
                             if provider.why_not(call_key) is None:
                                 tuning_key = make_key(provider.tuning_key(call_key), call_key.tokens)

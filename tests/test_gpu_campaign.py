@@ -21,8 +21,8 @@ def test_the_dry_run_runs_every_phase_and_packs_the_results(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HELION_INTERPRET",
                                                             "HW_AGNOSTIC_COMPILE_TARGETS")}
     env["PYTHONPATH"] = str(REPO)
-    done = subprocess.run([sys.executable, "bench/gpu_campaign.py", "--dry-run", "--out", str(out), "--budget", "900"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run([sys.executable, "bench/gpu_campaign.py", "--dry-run", "--out", str(out), "--budget", "1500"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     summary = (out / "summary.md").read_text()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + summary
     for phase in ("install", "versions", "tests", "compile-check", "autotune", "bench"):
