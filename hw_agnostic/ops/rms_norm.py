@@ -188,8 +188,8 @@ def _key(x: Tensor, weight: Optional[Tensor], numerics: str, *more: Tensor) -> N
 def _overlap(a: Tensor, b: Tensor) -> bool:
     if a.numel() == 0 or b.numel() == 0:
         return False
-    if isinstance(a, FakeTensor) or isinstance(b, FakeTensor):
-        return False  # tracing: there are no buffers to compare
+    if isinstance(a, FakeTensor) or isinstance(b, FakeTensor) or a.device.type == "meta":
+        return False  # tracing, or meta tensors: there are no buffers to compare
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
     size = a.element_size()
