@@ -31,6 +31,11 @@ os.environ["HW_AGNOSTIC_CACHE_DIR"] = tempfile.mkdtemp(prefix="hw_agnostic_test_
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One intra-op thread per worker: tiny tensors gain nothing from more, and with as many workers
+    # as cores, more threads only oversubscribe the cores (each op then waits on spinning peers).
+    torch.set_num_threads(1)
 from hypothesis import settings  # noqa: E402
 
 # Fuzz tests draw the same examples on every run unless asked to explore

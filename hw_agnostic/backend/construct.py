@@ -131,7 +131,8 @@ def _mlp_adapter(cls: type, spec: MLPSpec) -> type:
         if not isinstance(found, MLPSpec):
             raise RuntimeError(f"{cls.__name__} built with these arguments is not a gated MLP: {found}")
         base.__init__(self, found.hidden_size, found.intermediate_size, found.activation, bias=found.bias,
-                      down_bias=found.down_bias)
+                      down_bias=found.down_bias, gate_multiplier=found.gate_multiplier,
+                      up_multiplier=found.up_multiplier, down_multiplier=found.down_multiplier, dropout=found.dropout)
         self.__dict__[_ORIGINAL] = (original, found)
 
     return type(cls.__name__, (base,), {"__init__": __init__, "__module__": __name__, "replaces": cls})

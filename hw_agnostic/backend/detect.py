@@ -59,10 +59,11 @@ def looks_like_norm(module: nn.Module) -> bool:
 
 
 def detect_rms_norm(module: nn.Module) -> NormSpec | NotDetected | None:
-    """``None`` for modules that are no candidates at all (children, buffers, matrices)."""
-    if list(module.children()) or list(module.buffers(recurse=False)):
-        return None
+    """``None`` for modules that are no candidates at all (children, matrices, buffers beside weights)."""
     params = dict(module.named_parameters(recurse=False))
+    buffers = list(module.buffers(recurse=False))
+    if list(module.children()) or (buffers and (params or any(b.dim() != 1 for b in buffers))):
+        return None  # a weightless norm may keep a dummy 1-D buffer (Falcon-Mamba's); it is checked by value
     if len(params) > 1 or any(p.dim() != 1 for p in params.values()):
         if looks_like_norm(module):
             return NotDetected(f"has parameters {sorted(params)}: not an RMS norm (a LayerNorm has a bias)")
@@ -72,6 +73,8 @@ def detect_rms_norm(module: nn.Module) -> NormSpec | NotDetected | None:
     if extra:
         reason = f"its forward takes more than the input ({', '.join(extra)}): not a plain RMS norm"
         return NotDetected(reason) if weight_name else None
+    if "eps" in vars(module) and module.eps is None:  # torch's nn.RMSNorm(eps=None): finfo(x.dtype).eps
+        return NotDetected("its eps is None: it depends on the input dtype")
     hidden = params[weight_name].shape[0] if weight_name else 16
     eps = _traced_eps(module, weight_name, hidden)
     if isinstance(eps, NotDetected):
@@ -79,10 +82,16 @@ def detect_rms_norm(module: nn.Module) -> NormSpec | NotDetected | None:
     numerics = _matching_numerics(module, weight_name, hidden, eps)
     if isinstance(numerics, NotDetected):
         return numerics
-    eps_attribute = next(
-        (name for name, value in vars(module).items() if isinstance(value, float) and value == eps), None
-    )
+    # The attribute holding eps; a trace may show it rounded to fp32 (torch's own decomposition does).
+    eps_attribute = next((name for name, value in vars(module).items()
+                          if isinstance(value, float) and (value == eps or _as_fp32(value) == eps)), None)
+    if eps_attribute is not None:
+        eps = float(getattr(module, eps_attribute))
     return NormSpec(hidden, eps, numerics, weight_name, eps_attribute)
+
+
+def _as_fp32(value: float) -> float:
+    return float(torch.tensor(value, dtype=torch.float32))
 
 
 def _extra_inputs(module: nn.Module) -> list[str]:
@@ -110,10 +119,18 @@ def _traced_eps(module: nn.Module, weight_name: str | None, hidden: int) -> floa
     except Exception as err:
         return NotDetected(f"forward cannot be traced on fake tensors ({type(err).__name__}: {err})")
     aten = torch.ops.aten
+    fused = {getattr(aten, name).default for name in ("rms_norm", "_fused_rms_norm") if hasattr(aten, name)}
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in (aten.rsqrt.default, aten.sqrt.default):
+        if node.op != "call_function":
+            continue
+        if node.target in fused:  # torch's own F.rms_norm: (input, shape, weight, eps)
+            eps = node.args[3] if len(node.args) > 3 else node.kwargs.get("eps")
+            if not isinstance(eps, (int, float)):
+                return NotDetected("torch's rms_norm with eps=None: its eps depends on the input dtype")
+            return float(eps)
+        if _is_inverse_sqrt(node):
             added = node.args[0]
-            if not (isinstance(added, fx.Node) and added.target in (aten.add.Tensor, aten.add.Scalar)):
+            if not (isinstance(added, fx.Node) and added.target in (aten.add.Tensor, aten.add.Scalar, aten.add_.Scalar)):
                 continue
             scalars = [a for a in added.args if isinstance(a, (int, float))]
             tensors = [a for a in added.args if isinstance(a, fx.Node)]
@@ -122,6 +139,14 @@ def _traced_eps(module: nn.Module, weight_name: str | None, hidden: int) -> floa
                 if list(dims) in ([-1], [2]):
                     return float(scalars[0])
     return NotDetected("computes no rsqrt(mean(x**2, -1) + eps)")
+
+
+def _is_inverse_sqrt(node: fx.Node) -> bool:
+    """``rsqrt(t)``, ``pow(t, -0.5)`` or ``sqrt(t)`` (divided by later, ``x / sqrt(...)``)."""
+    aten = torch.ops.aten
+    if node.target in (aten.rsqrt.default, aten.sqrt.default):
+        return True
+    return node.target is aten.pow.Tensor_Scalar and len(node.args) == 2 and node.args[1] == -0.5
 
 
 def _matching_numerics(module: nn.Module, weight_name: str | None, hidden: int, eps: float) -> str | NotDetected:
@@ -170,6 +195,12 @@ class MLPSpec:
     intermediate_size: int
     bias: bool
     down_bias: bool
+    # Constant factors on the gate and up projections' outputs and on the down projection's output
+    # (Falcon-H1's mlp_multipliers), and the dropout applied to the output (identity in eval).
+    gate_multiplier: float | None = None
+    up_multiplier: float | None = None
+    down_multiplier: float | None = None
+    dropout: float = 0.0
 
 
 class _ChildrenAsLeaves(fx.Tracer):
@@ -202,21 +233,29 @@ def _linear_children(module: nn.Module) -> dict[str, nn.Linear]:
     return {name: child for name, child in module.named_children() if isinstance(child, nn.Linear)}
 
 
+def _projection_sizes(module: nn.Module) -> tuple[int, int] | None:
+    """``(in, out)`` of a linear projection: ``nn.Linear``, or GPT-2's ``Conv1D`` (a transposed linear)."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    weight = getattr(module, "weight", None)
+    if isinstance(getattr(module, "nf", None), int) and isinstance(weight, Tensor) and weight.dim() == 2:
+        return weight.shape[0], weight.shape[1]
+    return None
+
+
 def looks_like_mlp(module: nn.Module) -> bool:
-    """Worth reporting when not a gated MLP: linears that widen the hidden size and narrow it back."""
-    linears = list(_linear_children(module).values())
-    if not 2 <= len(linears) <= 3:
+    """Worth reporting when not a gated MLP: projections that widen the hidden size and narrow it back."""
+    sizes = [s for s in map(_projection_sizes, module.children()) if s is not None]
+    if not 2 <= len(sizes) <= 3:
         return False
-    return any(
-        a.in_features == b.out_features and a.out_features in (b.in_features, 2 * b.in_features)
-        and b.in_features >= b.out_features
-        for a in linears for b in linears if a is not b
-    )
+    return any(a[0] == b[1] and a[1] in (b[0], 2 * b[0]) and b[0] > b[1] for a in sizes for b in sizes if a is not b)
 
 
 def detect_gated_mlp(module: nn.Module) -> MLPSpec | NotDetected | None:
     linears = _linear_children(module)
     if not (2 <= len(linears) <= 3):
+        if looks_like_mlp(module):
+            return NotDetected("its projections are not nn.Linear (e.g. GPT-2's Conv1D): not served")
         return None
     if any(list(c.parameters()) for c in module.children() if not isinstance(c, nn.Linear)):
         return None
@@ -228,7 +267,11 @@ def detect_gated_mlp(module: nn.Module) -> MLPSpec | NotDetected | None:
     output = next(n for n in graph.nodes if n.op == "output")
     if len(inputs) != 1 or not isinstance(output.args[0], fx.Node):
         return NotDetected("takes or returns more than one tensor")
-    x, result = inputs[0], output.args[0]
+    x = inputs[0]
+    result, dropout = _peel_dropout(module, output.args[0])
+    if isinstance(dropout, NotDetected):
+        return dropout
+    result, down_multiplier = _peel_scale(result)
     down = _module_call(result)
     if down not in linears:
         return NotDetected("its output is not a linear projection")
@@ -241,10 +284,43 @@ def detect_gated_mlp(module: nn.Module) -> MLPSpec | NotDetected | None:
         if act is None:
             continue
         activation, gate_node = act
+        gate_node, gate_multiplier = _peel_scale(gate_node)
+        up_node, up_multiplier = _peel_scale(up_node)
         spec = _projections(module, linears, x, gate_node, up_node, down, activation)
         if spec is not None:
-            return spec
+            if (gate_multiplier or up_multiplier) and spec.gate_up is not None:
+                continue  # a factor on one half of a merged projection: not served
+            factors = [None if f == 1.0 else f for f in (gate_multiplier, up_multiplier, down_multiplier)]
+            return dataclasses.replace(spec, gate_multiplier=factors[0], up_multiplier=factors[1],
+                                       down_multiplier=factors[2], dropout=dropout)
     return NotDetected("computes a product of projections, but not act(gate(x)) * up(x)")
+
+
+def _peel_dropout(module: nn.Module, node: fx.Node) -> tuple[fx.Node, float | NotDetected]:
+    """``dropout(t)`` -> ``(t, p)``; anything else -> ``(node, 0.0)``. Dropout is the identity in eval."""
+    if node.op == "call_module" and isinstance(module.get_submodule(node.target), nn.Dropout):
+        return node.args[0], float(module.get_submodule(node.target).p)
+    if node.op == "call_function" and node.target is F.dropout:
+        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+        if not isinstance(p, (int, float)) or any(isinstance(a, fx.Node) for a in node.args[1:]):
+            return node, NotDetected("a dropout whose rate is computed at run time")
+        return node.args[0], float(p)
+    return node, 0.0
+
+
+def _peel_scale(node: Any) -> tuple[Any, float | None]:
+    """``t * c`` or ``c * t`` with a constant ``c`` -> ``(t, c)``; anything else -> ``(node, None)``."""
+    if not isinstance(node, fx.Node):
+        return node, None
+    is_mul = (node.op == "call_function" and node.target in (operator.mul, torch.mul)) or (
+        node.op == "call_method" and node.target == "mul")
+    if is_mul and len(node.args) == 2:
+        a, b = node.args
+        if isinstance(a, fx.Node) and isinstance(b, (int, float)) and not isinstance(b, bool):
+            return a, float(b)
+        if isinstance(b, fx.Node) and isinstance(a, (int, float)) and not isinstance(a, bool):
+            return b, float(a)
+    return node, None
 
 
 def _module_call(node: Any) -> str | None:

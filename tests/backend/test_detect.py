@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hw_agnostic.tolerances import mismatch
 from hw_agnostic.backend.detect import (
     DecoderLayout,
     MLPSpec,
@@ -166,3 +167,91 @@ def test_decoder_layouts_are_found_by_running_the_layer():
 def test_a_different_residual_is_not_mistaken_for_pre_norm():
     found = detect_decoder_layout(Layer("scaled"), {"norm_a", "norm_b"}, 8)
     assert isinstance(found, NotDetected) and "combines them differently" in found.reason
+
+
+# --------------------------------------------------------------------------------------------
+# norms and MLPs however they are written
+
+
+class PowNorm(nn.Module):
+    """Gemma 4's spelling: ``x * pow(mean(x²) + eps, -0.5)``, scale multiplied in fp32."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = 1e-6
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5) * self.weight.float()).to(x.dtype)
+
+
+class WeightlessWithDummyBuffer(nn.Module):
+    """Falcon-Mamba's: a 1-D buffer of ones the forward never reads."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.ones(n), persistent=False)
+        self.eps = 1e-6
+
+    def forward(self, x):
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+
+class GatedNorm(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x, gate=None):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * (y if gate is None else y * F.silu(gate))
+
+
+def test_norms_spelled_other_ways():
+    assert detect_rms_norm(PowNorm(24)) == NormSpec(24, 1e-6, "fp32_scale", "weight", "eps")
+    assert detect_rms_norm(WeightlessWithDummyBuffer(24)) == NormSpec(16, 1e-6, "llama", None, "eps")
+    assert detect_rms_norm(nn.RMSNorm(24, eps=1e-5)) == NormSpec(24, 1e-5, "fp32_scale", "weight", "eps")
+    assert "depends on the input dtype" in detect_rms_norm(nn.RMSNorm(24)).reason
+    gated = detect_rms_norm(GatedNorm(24))
+    assert isinstance(gated, NotDetected) and "gate" in gated.reason
+
+
+class TailedMLP(nn.Module):
+    """Falcon-H1's multipliers and SeedOss's output dropout around a gated MLP."""
+
+    def __init__(self, dropout: str = "module") -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(16, 40, bias=False), nn.Linear(16, 40, bias=False)
+        self.down_proj = nn.Linear(40, 16, bias=False)
+        self.act_fn = nn.SiLU()
+        self.gate_multiplier, self.down_multiplier = 0.5, 2.0
+        self.kind = dropout
+        self.dropout = nn.Dropout(0.25)
+
+    def forward(self, x):
+        y = self.up_proj(x) * self.act_fn(self.gate_proj(x) * self.gate_multiplier)
+        y = self.down_proj(y) * self.down_multiplier
+        if self.kind == "module":
+            return self.dropout(y)
+        return F.dropout(y, p=0.1, training=self.training)
+
+
+@pytest.mark.parametrize("dropout", ["module", "functional"])
+def test_gated_mlps_with_multipliers_and_dropout(dropout):
+    from hw_agnostic.backend.rewire import build_mlp
+
+    module = TailedMLP(dropout).eval()
+    spec = detect_gated_mlp(module)
+    assert isinstance(spec, MLPSpec)
+    assert (spec.gate_multiplier, spec.up_multiplier, spec.down_multiplier) == (0.5, None, 2.0)
+    assert spec.dropout == (0.25 if dropout == "module" else 0.1)
+    layer = build_mlp(module, spec).eval()
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+        m, l = module.to(dtype), layer.to(dtype)
+        with torch.no_grad():
+            assert mismatch(l(x), m(x).double(), dtype) is None
+    layer.float().train()
+    x = torch.randn(64, 16)
+    assert not torch.equal(layer(x), layer.eval()(x))  # the dropout applies in training

@@ -23,7 +23,8 @@ SIZES: dict[str, int] = {
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "word_embed_proj_dim",
                      "hidden_dim", "lru_width", "backbone_hidden_size", "embedding_dim", "emb_dim",
                      "input_embedding_size", "output_embedding_size"), 64),
-    **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size", "mlp_dim",
+    "ffn_dim": 256,  # Moshi halves it for its gated MLP
+    **dict.fromkeys(("intermediate_size", "n_inner", "d_ff", "ffn_hidden_size", "mlp_dim",
                      "intermediate_size_mlp", "dense_intermediate_size", "feed_forward_size", "d_inner",
                      "decoder_ffn_dim", "encoder_ffn_dim", "inner_hidden_size", "dim_ff"), 128),
     **dict.fromkeys(("moe_intermediate_size", "expert_ffn_hidden_size", "shared_expert_intermediate_size",
