@@ -303,7 +303,8 @@ def _call_shape(forward: Callable[..., Any]) -> tuple[tuple[str, ...], str, bool
     params = list(inspect.signature(unwrapped).parameters.values())[1:]
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     names = {p.name for p in params}
-    cache_name = next((name for name in _CACHE_NAMES if name in names), "past_key_values")
+    own = [p.name for p in params if "past" in p.name or "cache" in p.name]  # e.g. GPT-NeoX's layer_past
+    cache_name = next((name for name in (*_CACHE_NAMES, *own) if name in names), "past_key_values")
     try:
         passes_window = "sliding_window=" in inspect.getsource(unwrapped)
     except (OSError, TypeError):
@@ -392,7 +393,7 @@ class PagedAttention(PluggableLayer):
         arguments = dict(zip(state.positional, args))
         arguments.update(kwargs)
         cache = None
-        for name in _CACHE_NAMES:
+        for name in (*_CACHE_NAMES, state.cache_name):
             if name in arguments:
                 value = arguments.pop(name)
                 cache = value if cache is None else cache
