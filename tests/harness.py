@@ -71,13 +71,18 @@ def dsl_providers(op: Op) -> list[str]:
 
     A provider built for other devices or another CPU interpreter is not listed (it is not
     meant to run here); one that should run here but is unavailable (Helion missing) is, so its
-    tests fail instead of vanishing.
+    tests fail instead of vanishing. In compile-for-target mode the providers generating Triton
+    are listed (their launches compile for the targets).
     """
+    from hw_agnostic.kernels import targets
     from hw_agnostic.kernels.interpret import interpreter_mode
 
     from tests.conftest import kernel_device
 
     device, mode = kernel_device(), interpreter_mode()
+    if mode is None and targets.active_mode() is not None:
+        # Compile-for-target mode: every provider that generates Triton compiles its launches.
+        mode = "triton"
     return [p.name for p in op.providers if p.name != "reference" and (
         device is None or device in p.devices or (device == "cpu" and mode in p.interpreters))]
 

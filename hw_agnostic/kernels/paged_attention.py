@@ -260,14 +260,19 @@ def default_paged_attention_config(key: Mapping[str, Any]) -> Config:
         # decode tiles, moderate tiles otherwise.
         rows = next_power_of_2(int(key["group"])) if key.get("decode") else 32
         return {"block_sizes": [rows, 64], "num_warps": 4, "num_stages": 1, "num_splits": "auto"}
+    # A head dim that is not a power of two is padded to one in registers (80 -> 128).
+    width = next_power_of_2(head_dim)
     if key.get("dtype") == "float32":
         # Exact fp32 products run on FMA units with both operands in registers: 64x64 tiles at
-        # head dim 128 need ~230 fp32 registers a thread and spill on every NVIDIA target.
+        # head dim 128 need ~230 fp32 registers a thread and spill on every NVIDIA target; 32x16
+        # tiles at head dim 64 still spill a few bytes on 4 warps on sm_90.
         rows = min(rows, 32)
-        return {"block_sizes": [rows, 16], "num_warps": 4 if rows * head_dim <= 32 * 128 else 8, "num_stages": 2,
+        return {"block_sizes": [rows, 16], "num_warps": 4 if rows * width < 32 * 64 else 8, "num_stages": 2,
                 "num_splits": "auto"}
     keys = 64 if head_dim <= 128 else 32
-    warps = 4 if rows * head_dim <= 64 * 128 else 8
+    # 64 rows x 128 dims on 4 warps sit at the register limit (255 on sm_80, 256 VGPRs on gfx942)
+    # and spill once masks for a padded head dim or a softcap join in: 8 warps from there.
+    warps = 4 if rows * width < 64 * 128 else 8
     return {"block_sizes": [rows, keys], "num_warps": warps, "num_stages": 2 if key.get("decode") else 3,
             "num_splits": "auto"}
 

@@ -16,7 +16,8 @@ store, and the matrix instruction class (``tcgen05`` / ``wgmma`` / ``mma.sync`` 
 ``wmma`` / ``none``). :meth:`CompileRecord.problems` applies the rules a launch must pass:
 
 * it compiles;
-* no register spills (NVIDIA spill stores/loads, AMD VGPR/SGPR spills or scratch);
+* no register spills (NVIDIA spill stores/loads, AMD VGPR spills or scratch; SGPR spills into
+  VGPR lanes cost no memory traffic and are allowed);
 * its shared memory (LDS) fits the target's per-program limit;
 * a memory-bound kernel (:attr:`Launch.memory_bound`) reading rows that could be read with
   16-byte vectors (every floating-point tensor argument has unit inner stride, a 16-byte aligned
@@ -530,10 +531,11 @@ def _amdgcn_resources(amdgcn: str) -> tuple[int | None, int | None]:
         return int(found.group(1)) if found else 0
 
     registers = field("vgpr_count") + field("agpr_count")
-    spill_registers = field("vgpr_spill_count") + field("sgpr_spill_count")
-    # Spilled registers live in scratch (private segment); report its bytes when there is any.
+    # Spilled VGPRs live in scratch (private segment): report its bytes when there is any. SGPR
+    # spills are not counted: the compiler parks them in lanes of a VGPR (v_writelane), no memory
+    # traffic, and they go to scratch (counted above) only when no VGPR is free.
     scratch = field("private_segment_fixed_size")
-    spills = scratch if scratch else 4 * spill_registers
+    spills = scratch if scratch else 4 * field("vgpr_spill_count")
     return registers or None, spills
 
 
