@@ -9,7 +9,14 @@ PYTEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) -q
 
-.PHONY: test test-reference test-triton-interpret test-helion-interpret bench autotune demo clean
+# make bench: QUICK=1 for the small grid, SUITES=ops,model to pick suites, OUT=bench/results/cpu to
+# update the committed results (default: a new folder under bench/runs/), BENCH_ARGS for the rest.
+QUICK ?=
+SUITES ?=
+OUT ?=
+BENCH_ARGS ?=
+
+.PHONY: test test-reference test-triton-interpret test-helion-interpret bench autotune demo doctor clean
 
 $(VENV)/.installed-%: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,13 +37,17 @@ test-helion-interpret: $(VENV)/.installed-test
 	HELION_INTERPRET=1 $(PYTEST) -m dsl tests
 
 bench: $(VENV)/.installed-bench
-	$(PY) -m bench --device $(DEVICE)
+	$(PY) -m bench --device $(DEVICE) $(if $(QUICK),--quick) $(if $(SUITES),--suites $(SUITES)) \
+		$(if $(OUT),--out $(OUT)) $(BENCH_ARGS)
 
 demo: $(VENV)/.installed-test
 	$(PY) -m hw_agnostic demo $(DEMO_ARGS)
 
+doctor: $(VENV)/.installed-test
+	$(PY) -m hw_agnostic doctor
+
 autotune: $(VENV)/.installed-bench
-	$(PY) -m hw_agnostic.autotune --device $(DEVICE) --ops $(OPS) --out hw_agnostic/autotune_cache
+	$(PY) -m hw_agnostic autotune --device $(DEVICE) --ops $(OPS) --out hw_agnostic/autotune_cache
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

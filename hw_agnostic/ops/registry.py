@@ -130,6 +130,7 @@ _ops: dict[str, Op] = {}
 _tracers: list[list[Plan]] = []
 _forced_in_code: dict[str | None, str] = {}
 _config_overrides: dict[str, dict[str, Any]] = {}
+_ignored_overrides: set[tuple[str, str]] = set()  # (op, config) pairs already warned about
 
 
 class Op:
@@ -240,6 +241,7 @@ class Op:
                 continue
             reason = provider.why_not(key)
             if reason is None:
+                _check_override(self, provider, key, skipped)
                 built = self._build(provider, key, args, skipped)
                 if built is not None:
                     run, choice = built
@@ -288,6 +290,47 @@ class Op:
         return config_cache.lookup(
             provider.kernel, platform, tuning_key, warn_if_missing=platform != "triton_interpreter"
         )
+
+
+def _config_fields(op: Op, key: Any) -> tuple[set[str], set[str]]:
+    """The config fields ``op``'s kernels use for calls with ``key``, and Helion's other settings."""
+    import sys
+
+    fields: set[str] = set()
+    for provider in op.providers:
+        if provider.kernel is None or provider.tuning_key is None:
+            continue
+        tuning_key = make_key(provider.tuning_key(key), key.tokens)
+        for config in (provider.kernel.default_config(tuning_key), *provider.kernel.candidate_configs(tuning_key)):
+            fields.update(config)
+    helion = sys.modules.get("helion")  # Helion's own settings are valid too (not imported just to ask)
+    settings: set[str] = set()
+    if fields and helion is not None:
+        import inspect
+
+        settings = {name for name, p in inspect.signature(helion.Config.__init__).parameters.items()
+                    if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    return fields, settings
+
+
+def _check_override(op: Op, provider: Provider, key: Any, skipped: dict[str, str]) -> None:
+    """A :func:`use_config` override with a field no kernel takes is an error; one nothing uses, a warning."""
+    override = _config_overrides.get(_family(op.name))
+    if override is None:
+        return
+    fields, settings = _config_fields(op, key)
+    unknown = sorted(set(override) - fields - settings)
+    if fields and unknown:
+        raise ValueError(f"use_config({op.name}, ...): unknown config field(s) {', '.join(map(repr, unknown))}; "
+                         f"{op.name}'s kernels take {', '.join(sorted(fields))}"
+                         + (" (or any other helion.Config setting)" if settings else ""))
+    if provider.kernel is None:
+        marker = (op.name, repr(sorted(override.items())))
+        if marker not in _ignored_overrides:
+            _ignored_overrides.add(marker)
+            why = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
+            log.warning("hw_agnostic: use_config(%s, %s) has no effect here: %s runs the %s provider, which takes "
+                        "no config%s", op.name, override, op.name, provider.name, f" ({why})" if why else "")
 
 
 def _requires_grad(args: tuple[Any, ...]) -> bool:
@@ -386,6 +429,7 @@ def forced_provider(op_name: str) -> tuple[str, str] | None:
 
 def reset() -> None:
     """Drop every cached plan (forcing, configs and environment are re-read on the next call)."""
+    _ignored_overrides.clear()
     for op in _ops.values():
         op.reset()
 
