@@ -37,7 +37,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -50,12 +49,14 @@ from ..autotune.keys import make_key
 from ..autotune.platform import platform_of
 from ..kernels.interpret import interpreter_mode
 from ..kernels.runtime import KernelSpec
+from .compiled_reference import CompiledReference
 
 log = logging.getLogger("hw_agnostic.ops")
 
 PROVIDER_ENV = "HW_AGNOSTIC_PROVIDER"
 COMPILE_ENV = "HW_AGNOSTIC_COMPILE_REFERENCE"
 GPU_DEVICES = frozenset({"cuda", "xpu"})
+CHECKED_SIGNATURES = 512  # per op; decode steps with changing lengths must not grow it without bound
 
 
 class ProviderError(RuntimeError):
@@ -158,12 +159,14 @@ class Op:
         self.mutates_args = tuple(mutates_args)
         self.example_inputs = example_inputs
         # What the reference provider runs when compiling is on: a factory given the op's name
-        # and reference, called once per key (for ops whose reference Inductor cannot compile as is).
+        # and reference, called once per key (for ops whose reference Inductor cannot compile as
+        # is, or that run faster another way with the reference's results).
         self.compiled_reference = compiled_reference or CompiledReference
         # The fake implementation: the reference itself unless its output shapes depend on data.
         self.fake = fake or reference
         self.providers: tuple[Provider, ...] = (*providers, _reference_provider(self))
         self._plans: dict[Any, Plan] = {}
+        self._checked: dict[tuple[Any, ...], Plan] = {}  # call signature -> plan, see dispatch
         self.torch_op = self._register_custom_op()
         _ops[name] = self
 
@@ -203,12 +206,27 @@ class Op:
         return self.dispatch(*args)
 
     def dispatch(self, *args: Any) -> Any:
-        """Run the call on the chosen provider (eager, no custom-op dispatcher in between)."""
-        self.check(*args)
-        key = self.key(*args)
-        plan = self._plans.get(key)
+        """Run the call on the chosen provider (eager, no custom-op dispatcher in between).
+
+        ``check`` and ``key`` read only metadata, so their verdict for one set of shapes,
+        strides, dtypes, devices and scalar values (and storages, for in-place ops) is kept:
+        a repeated call costs one lookup of that signature instead of both.
+        """
+        try:
+            signature = _signature(args, bool(self.mutates_args))
+            plan = self._checked.get(signature)
+        except TypeError:  # an unhashable argument: no shortcut
+            signature, plan = None, None
         if plan is None:
-            plan = self._make_plan(key, args)
+            self.check(*args)
+            key = self.key(*args)
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._make_plan(key, args)
+            if signature is not None:
+                if len(self._checked) >= CHECKED_SIGNATURES:
+                    self._checked.clear()
+                self._checked[signature] = plan
         plan.calls += 1
         if _tracers:
             for record in _tracers:
@@ -226,6 +244,7 @@ class Op:
 
     def reset(self) -> None:
         self._plans.clear()
+        self._checked.clear()
 
     def _make_plan(self, key: Any, args: tuple[Any, ...]) -> Plan:
         forced = forced_provider(self.name)
@@ -333,6 +352,21 @@ def _check_override(op: Op, provider: Provider, key: Any, skipped: dict[str, str
                         "no config%s", op.name, override, op.name, provider.name, f" ({why})" if why else "")
 
 
+def _signature(args: tuple[Any, ...], storages: bool) -> tuple[Any, ...]:
+    """What ``check`` and ``key`` read of the arguments (the metadata, never the data)."""
+    parts: list[Any] = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            if storages:  # the in-place checks compare buffers
+                parts.append((arg.shape, arg.stride(), arg.dtype, arg.device, arg.untyped_storage().data_ptr(),
+                              arg.storage_offset()))
+            else:
+                parts.append((arg.shape, arg.stride(), arg.dtype, arg.device))
+        else:
+            parts.append((type(arg), arg))  # 1, 1.0 and True are equal, but not the same argument
+    return tuple(parts)
+
+
 def _requires_grad(args: tuple[Any, ...]) -> bool:
     return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
@@ -350,29 +384,6 @@ def _first_device(args: tuple[Any, ...]) -> torch.device:
 
 def compile_reference_enabled() -> bool:
     return os.environ.get(COMPILE_ENV, "1").lower() not in ("0", "false", "no", "off")
-
-
-class CompiledReference:
-    """The reference under ``torch.compile``; eager from the first compile failure on."""
-
-    def __init__(self, op_name: str, reference: Callable[..., Any]) -> None:
-        self.op_name = op_name
-        self.reference = reference
-        # Dynamo keeps compiled code, and its recompile budget, on the code object: a copy per
-        # key keeps each key's specialisations from crowding out the others'.
-        private = types.FunctionType(reference.__code__.replace(), reference.__globals__, reference.__name__,
-                                     reference.__defaults__, reference.__closure__)
-        self.compiled: Callable[..., Any] | None = torch.compile(private, dynamic=None, fullgraph=True)
-
-    def __call__(self, *args: Any) -> Any:
-        if self.compiled is not None:
-            try:
-                return self.compiled(*args)
-            except Exception as err:  # no C++ compiler, an Inductor bug, ...
-                self.compiled = None
-                log.warning("hw_agnostic: %s: compiling the reference failed (%s: %s); running it eagerly",
-                            self.op_name, type(err).__name__, err)
-        return self.reference(*args)
 
 
 def _reference_provider(op: Op) -> Provider:

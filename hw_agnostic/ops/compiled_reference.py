@@ -1,0 +1,165 @@
+"""The reference, compiled: what the reference provider runs when compiling is on.
+
+On the CPU the reference is traced once per specialisation with ``make_fx`` (every size
+symbolic, so one graph serves every token count), compiled by Inductor into C++ with
+``emulate_precision_casts`` (each rounding the eager reference does to the input dtype is done
+too, so the compiled reference computes what the reference computes), and called straight
+through the ``call`` function Inductor generates. ``torch.compile`` would put Dynamo's guards
+and AOTAutograd's wrappers in front of every call: about 8 µs, more than a decode-size norm
+takes. Calls of up to 16 rows run a single-threaded compile: an OpenMP region costs
+microseconds on an idle machine and a scheduler quantum (milliseconds) on a loaded one, and a
+decode-size row has nothing to share.
+
+What this path cannot take runs elsewhere: tensors that are not contiguous (the compiled code
+assumes the layout it traced) and other devices go to ``torch.compile`` of the reference, empty
+tensors and anything that fails to compile run the reference eagerly (with one warning).
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger("hw_agnostic.ops")
+
+#: Calls with up to this many rows (of the first tensor) run a single-threaded compile on the CPU.
+SINGLE_THREAD_TOKENS = 16
+
+
+class _Tensor:
+    """Marks a tensor argument's place in a specialisation key."""
+
+
+_TENSOR = _Tensor()
+
+
+class CompiledReference:
+    """The reference under Inductor (see the module docstring); eager from the first failure on."""
+
+    def __init__(self, op_name: str, reference: Callable[..., Any]) -> None:
+        self.op_name = op_name
+        self.reference = reference
+        self.lean: dict[tuple[Any, ...], _LeanGraph | None] = {}
+        self._dynamo: Callable[..., Any] | None = None
+        self.failed = False
+
+    def __call__(self, *args: Any) -> Any:
+        if self.failed:
+            return self.reference(*args)
+        contiguous, rows = True, None
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                if arg.device.type != "cpu" or not arg.is_contiguous():
+                    contiguous = False
+                    break
+                if arg.numel() == 0:
+                    return self.reference(*args)
+                if rows is None:
+                    rows = arg.numel() // arg.shape[-1] if arg.dim() else 1
+        if contiguous:
+            small = rows is not None and rows <= SINGLE_THREAD_TOKENS
+            signature = (small, *(_TENSOR if isinstance(a, torch.Tensor) else a for a in args))
+            graph = self.lean.get(signature, _MISSING)
+            if graph is _MISSING:
+                graph = self.lean[signature] = self._compile_lean(args, 1 if small else None)
+            if graph is not None:
+                try:
+                    return graph(args)
+                except AssertionError:  # a layout the graph was not traced for (Inductor checks strides)
+                    pass
+        return self._compiled(*args)
+
+    def _compile_lean(self, args: tuple[Any, ...], threads: int | None) -> _LeanGraph | None:
+        try:
+            return _LeanGraph(self.reference, args, threads)
+        except Exception as err:  # an Inductor that lacks these entry points, no C++ compiler, ...
+            log.info("hw_agnostic: %s: the lean compile failed (%s: %s); using torch.compile", self.op_name,
+                     type(err).__name__, err)
+            return None
+
+    def _compiled(self, *args: Any) -> Any:
+        try:
+            if self._dynamo is None:
+                # Dynamo keeps compiled code, and its recompile budget, on the code object: a copy
+                # per specialisation keeps each one's recompiles from crowding out the others'.
+                private = types.FunctionType(self.reference.__code__.replace(), self.reference.__globals__,
+                                             self.reference.__name__, self.reference.__defaults__,
+                                             self.reference.__closure__)
+                self._dynamo = torch.compile(private, dynamic=None, fullgraph=True,
+                                             options={"emulate_precision_casts": True})
+            return self._dynamo(*args)
+        except Exception as err:  # no C++ compiler, an Inductor bug, ...
+            self.failed = True
+            log.warning("hw_agnostic: %s: compiling the reference failed (%s: %s); running it eagerly",
+                        self.op_name, type(err).__name__, err)
+        return self.reference(*args)
+
+
+_MISSING: Any = object()
+
+
+class _LeanGraph:
+    """One traced and compiled specialisation of a reference, called through Inductor's ``call``."""
+
+    def __init__(self, reference: Callable[..., Any], args: tuple[Any, ...], threads: int | None) -> None:
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx_inner
+        from torch._inductor.decomposition import select_decomp_table
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        constants = list(args)
+        returned: list[str] = []
+
+        def graph(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            full = list(constants)
+            for position, tensor in zip(positions, tensors):
+                full[position] = tensor
+            result = reference(*full)
+            if result is None:
+                returned.append("none")
+                return ()
+            if isinstance(result, torch.Tensor):
+                returned.append("tensor")
+                return (result,)
+            returned.append("tuple")
+            return tuple(result)
+
+        from torch.fx.experimental import _config as shape_config
+
+        examples = _examples([args[i] for i in positions])
+        with shape_config.patch(use_duck_shape=False):  # equal sizes are not assumed to stay equal
+            traced = make_fx(graph, decomposition_table=select_decomp_table(), tracing_mode="symbolic")(*examples)
+        fakes = [node.meta["val"] for node in traced.graph.find_nodes(op="placeholder")]
+        options: dict[str, Any] = {"emulate_precision_casts": True}
+        if threads is not None:
+            options["cpp.threads"] = threads
+        with inductor_config.patch(options):
+            compiled = compile_fx_inner(traced, fakes)
+        self.call = compiled.current_callable
+        self.positions = positions
+        self.returned = returned[0]
+        graph_inputs = len(fakes)
+        if graph_inputs != len(positions):
+            raise RuntimeError(f"traced {graph_inputs} inputs for {len(positions)} tensor arguments")
+
+    def __call__(self, args: tuple[Any, ...]) -> Any:
+        results = self.call([args[i] for i in self.positions])
+        if self.returned == "tensor":
+            return results[0]
+        if self.returned == "tuple":
+            return tuple(results)
+        return None
+
+
+def _examples(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tracing inputs shaped like ``tensors`` but with no size 0 or 1.
+
+    Symbolic tracing specialises sizes 0 and 1: a graph traced on one token would serve only
+    one token. Sizes that must match (x's hidden and weight's) are tied by the trace itself.
+    """
+    return [torch.zeros([max(size, 2) for size in t.shape], dtype=t.dtype, device=t.device) for t in tensors]
