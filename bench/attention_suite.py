@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from hw_agnostic.ops.paged_attention import paged_attention, paged_attention_op, write_kv_cache, write_kv_cache_op
+from hw_agnostic.ops.paged_attention import paged_attention, paged_attention_op
+from hw_agnostic.ops.write_kv_cache import write_kv_cache, write_kv_cache_op
 
 from .timing import measure_all, timed_row
 

@@ -27,7 +27,8 @@ from torch import nn
 from hw_agnostic import ops
 from hw_agnostic.layers.moe import RoutingSpec, route, router_logits
 from hw_agnostic.autotune.shapes import MOE_MODELS, MoEModel
-from hw_agnostic.ops.moe import example_routing, fused_experts
+from hw_agnostic.ops.fused_experts import fused_experts
+from hw_agnostic.ops.moe_common import example_routing
 
 from .timing import measure_all
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -47,6 +48,11 @@ class Case:
 
 def dsl_providers(op: Op) -> list[str]:
     return [p.name for p in op.providers if p.name != "reference"]
+
+
+def seeded_generator(name: str) -> torch.Generator:
+    """A generator seeded from a case's name: each case draws the same inputs on every run."""
+    return torch.Generator().manual_seed(zlib.crc32(name.encode()))
 
 
 @contextlib.contextmanager

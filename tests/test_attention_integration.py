@@ -242,7 +242,8 @@ def test_generate_batch_matches_hf_eager(family, forbid_hf_attention):
 
 @pytest.mark.dsl
 def test_generate_and_generate_batch_on_the_kernels():
-    from hw_agnostic.ops.paged_attention import paged_attention_op, write_kv_cache_op
+    from hw_agnostic.ops.paged_attention import paged_attention_op
+    from hw_agnostic.ops.write_kv_cache import write_kv_cache_op
     from tests.harness import dsl_providers
 
     model, reference = tiny_model("llama", layers=1)

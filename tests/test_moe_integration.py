@@ -18,7 +18,8 @@ from hw_agnostic.backend.experts import (
 )
 from hw_agnostic.backend.detect import NotDetected
 from hw_agnostic.layers.moe import MoE
-from hw_agnostic.ops.moe import fused_experts_op, moe_route_op
+from hw_agnostic.ops.fused_experts import fused_experts_op
+from hw_agnostic.ops.moe_route import moe_route_op
 from tests.backend.models import TINY, TOKENS, prompt
 from tests.harness import dsl_providers
 

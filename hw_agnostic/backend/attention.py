@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from ..layers.attention import PAGED_BATCH_KWARG, PagedAttention, PagedBatch, PagedKVCache, attend
 from ..layers.base import resolve
-from ..ops.paged_attention import write_kv_cache
+from ..ops.write_kv_cache import write_kv_cache
 
 ATTENTION_NAME = "hw_agnostic_paged"
 _FALLBACK_ATTRIBUTE = "_hw_agnostic_fallback_attention"

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from ..layers.base import resolve
 from ..layers.moe import MoE, RoutingSpec, route
 from ..ops import checks
-from ..ops.moe import fused_experts, gated_reference
+from ..ops.fused_experts import fused_experts, gated_reference
 from ..tolerances import mismatch
 from .detect import NotDetected
 from .report import RewireReport

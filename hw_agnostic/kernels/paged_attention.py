@@ -1,4 +1,4 @@
-"""Helion kernels for the paged KV cache: the cache write, paged attention, and the split-KV merge.
+"""Helion kernels for ``paged_attention``: attention over the paged KV cache, and the split-KV merge.
 
 Why Helion and not raw Triton: the attention loop needs gathers through the block table
 (``k_cache[block_table[s, n // page] * page + n % page]``), data-dependent loop bounds (each
@@ -12,7 +12,7 @@ Layouts (the op module builds these views without copying):
 * ``q``, ``out``: ``[tokens * num_q_heads, head_dim]``: row ``t * Hq + h``.
 * caches: ``[num_blocks * block_size, num_kv_heads, head_dim]``: the paged cache
   ``[num_blocks, block_size, Hkv, D]`` with its first two dims merged (slot = block * block_size
-  + offset); any strides otherwise.
+  + offset); any strides otherwise (the layout :mod:`.write_kv_cache` writes).
 * ``block_table [num_seqs, max_blocks]`` int32, ``cu_seqlens_q [num_seqs + 1]`` and
   ``kv_lens [num_seqs]`` int32.
 
@@ -198,30 +198,9 @@ def _merge_splits(
         hl.store(out, [rows, dims], result.to(out.dtype), extra_mask=row_ok[:, None] & dims_ok[None, :])
 
 
-def _write_kv_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    num_tokens, num_kv_heads, head_dim = key.size()
-    num_slots = k_cache.size(0)
-    for tile_t, tile_h in hl.tile([num_tokens, num_kv_heads]):
-        slot = slot_mapping[tile_t].to(torch.int64)
-        keep = (slot >= 0) & (slot < num_slots)
-        slot = torch.where(keep, slot, 0)
-        heads = tile_h.index.to(torch.int64)
-        for tile_d in hl.tile(head_dim):
-            dims = tile_d.index.to(torch.int64)
-            hl.store(k_cache, [slot, heads, dims], key[tile_t, tile_h, tile_d], extra_mask=keep[:, None, None])
-            hl.store(v_cache, [slot, heads, dims], value[tile_t, tile_h, tile_d], extra_mask=keep[:, None, None])
-
-
 # fp32 dots in exact fp32: Triton's TF32 default would put fp32 attention outside the fp32 tolerance.
 paged_attention_kernel = HelionFunction(_paged_attention, dot_precision="ieee")
 merge_splits_kernel = HelionFunction(_merge_splits)
-write_kv_cache_kernel = HelionFunction(_write_kv_cache)
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,7 +242,6 @@ def choose_num_splits(*, decode: bool, num_seqs: int, num_kv_heads: int, max_kv_
 # paged_attention keys: {"dtype", "head_dim", "group", "block_size", "decode", "kv_len", "tokens"}
 # (kv_len bucketed like tokens). Configs: {"block_sizes": [rows, keys], "num_warps", "num_stages",
 # "num_splits": "auto" | int}; "auto" applies choose_num_splits on the calling device.
-# write_kv_cache keys: {"dtype", "head_dim", "num_kv_heads", "tokens"}.
 
 
 def _query_rows(key: Mapping[str, Any]) -> int:
@@ -306,29 +284,6 @@ def paged_attention_candidates(key: Mapping[str, Any]) -> list[Config]:
     return candidates
 
 
-def default_write_kv_cache_config(key: Mapping[str, Any]) -> Config:
-    head_dim, heads, tokens = int(key["head_dim"]), int(key["num_kv_heads"]), max(int(key["tokens"]), 1)
-    block_d = next_power_of_2(head_dim)
-    block_h = min(next_power_of_2(heads), max(1, 1024 // block_d))
-    budget = 16384 if interpreter_mode() == "triton" else 2048
-    block_t = min(next_power_of_2(tokens), max(1, budget // (block_h * block_d)))
-    return {"block_sizes": [block_t, block_h, block_d], "num_warps": 4, "num_stages": 1}
-
-
-def write_kv_cache_candidates(key: Mapping[str, Any]) -> list[Config]:
-    head_dim, tokens = int(key["head_dim"]), max(int(key["tokens"]), 1)
-    candidates = [default_write_kv_cache_config(key)]
-    for block_t in (1, 2, 4, 8, 16):
-        if block_t > next_power_of_2(tokens):
-            continue
-        for block_h in (1, 2, 4, 8):
-            for warps in (1, 2, 4, 8):
-                config = {"block_sizes": [block_t, block_h, next_power_of_2(head_dim)], "num_warps": warps, "num_stages": 1}
-                if config not in candidates:
-                    candidates.append(config)
-    return candidates
-
-
 def split_launch_config(config: Config) -> tuple[Any, Config]:
     """``num_splits`` (ours) and the Helion config proper."""
     helion_config = dict(config)
@@ -343,7 +298,4 @@ def merge_config(num_splits: int, packed_rows: int) -> Config:
 
 PAGED_ATTENTION = KernelSpec(
     "paged_attention", (_paged_attention, _merge_splits), default_paged_attention_config, paged_attention_candidates
-)
-WRITE_KV_CACHE = KernelSpec(
-    "write_kv_cache", (_write_kv_cache,), default_write_kv_cache_config, write_kv_cache_candidates
 )

@@ -40,7 +40,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from ..ops.paged_attention import paged_attention, write_kv_cache
+from ..ops.paged_attention import paged_attention
+from ..ops.write_kv_cache import write_kv_cache
 from .base import PluggableLayer
 
 #: Keyword through which a binding hands the paged batch to the attention function.

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops.moe import ACTIVATIONS, fused_experts, fused_experts_reference, moe_route, moe_route_reference
+from ..ops.fused_experts import ACTIVATIONS, fused_experts, fused_experts_reference
+from ..ops.moe_route import moe_route, moe_route_reference
 from .base import CustomOp, PluggableLayer
 from .mlp import GatedMLP
 

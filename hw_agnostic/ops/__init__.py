@@ -5,8 +5,11 @@ Each op is also a ``torch.library`` custom op, ``torch.ops.hw_agnostic.<name>``;
 """
 
 from .activations import gelu_and_mul, silu_and_mul, swiglu_oai
-from .moe import MoEAlignment, fused_experts, grouped_gemm, moe_align, moe_route
-from .paged_attention import paged_attention, validate_paged_attention_inputs, write_kv_cache
+from .fused_experts import fused_experts
+from .grouped_gemm import grouped_gemm
+from .moe_align import MoEAlignment, moe_align
+from .moe_route import moe_route
+from .paged_attention import paged_attention, validate_paged_attention_inputs
 from .registry import (
     Op,
     Plan,
@@ -20,6 +23,7 @@ from .registry import (
     use_provider,
 )
 from .rms_norm import fused_add_rms_norm, rms_norm
+from .write_kv_cache import write_kv_cache
 
 __all__ = [
     "MoEAlignment",

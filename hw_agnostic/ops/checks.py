@@ -71,6 +71,43 @@ def choice(op: str, name: str, value: Any, allowed: tuple[str, ...]) -> str:
     return value
 
 
+def integer(op: str, name: str, value: Any, *, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{op}: {name} must be {bound}, got {value}")
+    return value
+
+
+def flag(op: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__}")
+
+
+def matrix(op: str, name: str, value: Any, *, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> torch.Tensor:
+    checked = tensor(op, name, value, dtypes=dtypes)
+    if checked.dim() != 2:
+        raise ValueError(f"{op}: {name} must be 2-D; got shape {tuple(checked.shape)}")
+    return checked
+
+
+def vector(op: str, name: str, value: Any, length: int, reference_name: str, reference: torch.Tensor,
+           *, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> None:
+    checked = tensor(op, name, value, dtypes=dtypes)
+    same_device(op, name, checked, reference_name, reference)
+    if checked.shape != (length,):
+        raise ValueError(f"{op}: {name} must have shape ({length},); got {tuple(checked.shape)}")
+
+
+def kernel_dtype_problem(what: str, *dtypes: torch.dtype | None) -> str | None:
+    """Why a kernel provider declines these dtypes (for its ``accepts``), or None."""
+    for dtype in dtypes:
+        if dtype is not None and dtype not in KERNEL_DTYPES:
+            return f"{what} dtype {dtype} not supported (kernel dtypes: fp32, fp16, bf16)"
+    return None
+
+
 def rows_collapse(x: torch.Tensor) -> bool:
     """Whether ``x`` views as ``[rows, x.shape[-1]]`` with one row stride (``x.view(-1, n)``)."""
     if x.dim() <= 2 or x.is_contiguous():

@@ -1,17 +1,6 @@
-"""``write_kv_cache`` and ``paged_attention``: the paged KV cache and attention over it.
+"""``paged_attention``: attention of a varlen batch over the paged KV cache.
 
-The paged cache
-===============
-
-``k_cache`` and ``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``. Token slot
-``s`` is ``(s // block_size, s % block_size)``; a sequence's keys live in the blocks its row of
-``block_table [num_seqs, max_blocks]`` (int32) lists, key ``j`` in block ``block_table[seq, j //
-block_size]`` at offset ``j % block_size``. Any block size from 1 up works; the kernels are tuned
-for 16 to 256.
-
-``write_kv_cache(key, value, k_cache, v_cache, slot_mapping)`` writes token ``t`` of ``key`` /
-``value`` (``[tokens, num_kv_heads, head_dim]``) into slot ``slot_mapping[t]`` of the caches, in
-place; a negative slot marks a padding token and is skipped.
+The cache's layout, and the op that writes it, are :mod:`.write_kv_cache`'s.
 
 ``paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, ...)`` attends a
 varlen batch mixing prefill and decode sequences. ``q`` is ``[tokens, num_q_heads, head_dim]``;
@@ -36,12 +25,12 @@ What is checked where
   wide enough for ``max_kv_len`` when it is given, the scalars.
 * The reference path (CPU, and any call no kernel accepts) also checks the *data*, since it
   synchronises anyway: ``cu_seqlens_q`` non-decreasing within ``q``, every block a sequence uses
-  within ``[0, num_blocks)``, ``kv_lens`` within the block table; slots within the cache and not
-  repeated. :func:`validate_paged_attention_inputs` / :func:`validate_slot_mapping` run the same
-  checks on demand, e.g. while debugging a GPU run.
+  within ``[0, num_blocks)``, ``kv_lens`` within the block table.
+  :func:`validate_paged_attention_inputs` runs the same checks on demand, e.g. while debugging a
+  GPU run.
 * The kernel path does not read data on the host, so a decode step can be captured in a CUDA
-  graph. Out-of-range block ids and slots are clamped or masked inside the kernels, so bad
-  metadata gives wrong numbers, never an out-of-bounds access or a corrupted neighbour.
+  graph. Out-of-range block ids are clamped inside the kernels, so bad metadata gives wrong
+  numbers, never an out-of-bounds access.
 
 Dispatch and hints
 ==================
@@ -66,9 +55,8 @@ from ..kernels import paged_attention as kernels
 from ..kernels.runtime import helion_available
 from . import checks
 from .registry import Op, Provider
+from .write_kv_cache import EagerReference, caches_flatten, check_caches, check_index, slot_view
 
-INDEX_DTYPES = (torch.int32,)
-SLOT_DTYPES = (torch.int32, torch.int64)
 MIN_KERNEL_HEAD_DIM = 16  # tensor-core dot products need K >= 16
 MAX_KERNEL_HEAD_DIM = 256
 NO_WINDOW = 1 << 30  # the kernels' window when there is none: longer than any sequence
@@ -77,21 +65,6 @@ MAX_REFERENCE_SCORES = 1 << 24  # logits per chunk in the reference: bounds its 
 
 # --------------------------------------------------------------------------------------------
 # data checks (they synchronise: the reference path and debugging only)
-
-
-def validate_slot_mapping(op: str, slot_mapping: Tensor, num_slots: int) -> None:
-    """Raise ``ValueError`` if a slot is past the cache or two tokens write one slot."""
-    slots = slot_mapping[slot_mapping >= 0]
-    if slots.numel() == 0:
-        return
-    largest = int(slots.max())
-    if largest >= num_slots:
-        raise ValueError(
-            f"{op}: slot_mapping holds slot {largest}, past the cache's {num_slots} slots "
-            "(num_blocks * block_size); negative slots mark padding"
-        )
-    if torch.unique(slots).numel() != slots.numel():
-        raise ValueError(f"{op}: slot_mapping writes one slot twice; every token needs its own slot")
 
 
 def validate_paged_attention_inputs(
@@ -126,19 +99,7 @@ def validate_paged_attention_inputs(
 
 
 # --------------------------------------------------------------------------------------------
-# the specs
-
-
-def write_kv_cache_reference(
-    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
-) -> None:
-    validate_slot_mapping("write_kv_cache", slot_mapping, k_cache.shape[0] * k_cache.shape[1])
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    block_size = k_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+# the spec
 
 
 def paged_attention_reference(
@@ -201,54 +162,8 @@ def _paged_attention_shape(
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
-def _write_kv_cache_shape(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    return None
-
-
-class _EagerReference:
-    """The reference runs eagerly: its per-sequence loop reads the metadata on the host, which a
-    full-graph compile cannot trace."""
-
-    def __init__(self, op_name: str, reference: Any) -> None:
-        self.reference = reference
-
-    def __call__(self, *args: Any) -> Any:
-        return self.reference(*args)
-
-
 # --------------------------------------------------------------------------------------------
 # checks
-
-
-def _check_cache(op: str, name: str, cache: Tensor) -> None:
-    checks.tensor(op, name, cache)
-    if cache.dim() != 4:
-        raise ValueError(
-            f"{op}: {name} must be [num_blocks, block_size, num_kv_heads, head_dim]; got shape {tuple(cache.shape)}"
-        )
-    if cache.shape[1] < 1 or cache.shape[2] < 1 or cache.shape[3] < 1:
-        raise ValueError(f"{op}: {name} must have block_size, num_kv_heads and head_dim >= 1; got {tuple(cache.shape)}")
-
-
-def _check_caches(op: str, k_cache: Tensor, v_cache: Tensor) -> None:
-    _check_cache(op, "k_cache", k_cache)
-    _check_cache(op, "v_cache", v_cache)
-    checks.same_device(op, "v_cache", v_cache, "k_cache", k_cache)
-    checks.same_dtype(op, "v_cache", v_cache, "k_cache", k_cache)
-    checks.same_shape(op, "v_cache", v_cache, "k_cache", k_cache)
-
-
-def _check_index(op: str, name: str, value: Any, dim: int, reference: Tensor,
-                 dtypes: tuple[torch.dtype, ...] = INDEX_DTYPES) -> Tensor:
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
-    if value.dtype not in dtypes:
-        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise TypeError(f"{op}: {name} must have dtype {names}; got {value.dtype}")
-    if value.dim() != dim:
-        raise ValueError(f"{op}: {name} must have {dim} dimension(s); got shape {tuple(value.shape)}")
-    checks.same_device(op, name, value, "k_cache", reference)
-    return value
 
 
 def _optional_int(op: str, name: str, value: Any, minimum: int) -> None:
@@ -260,29 +175,6 @@ def _optional_int(op: str, name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{op}: {name} must be >= {minimum} (or None), got {value}")
 
 
-def check_write_kv_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    op = "write_kv_cache"
-    _check_caches(op, k_cache, v_cache)
-    for name, tensor in (("key", key), ("value", value)):
-        checks.tensor(op, name, tensor)
-        checks.same_device(op, name, tensor, "k_cache", k_cache)
-        if tensor.dim() != 3:
-            raise ValueError(f"{op}: {name} must be [tokens, num_kv_heads, head_dim]; got shape {tuple(tensor.shape)}")
-        if tuple(tensor.shape[1:]) != tuple(k_cache.shape[2:]):
-            raise ValueError(
-                f"{op}: {name} has {tensor.shape[1]} heads of dim {tensor.shape[2]} but the cache holds "
-                f"{k_cache.shape[2]} heads of dim {k_cache.shape[3]} (k_cache shape {tuple(k_cache.shape)})"
-            )
-        if tensor.dtype != k_cache.dtype:
-            raise TypeError(f"{op}: {name} must have the cache's dtype ({k_cache.dtype}); got {tensor.dtype}")
-    checks.same_shape(op, "value", value, "key", key)
-    _check_index(op, "slot_mapping", slot_mapping, 1, k_cache, SLOT_DTYPES)
-    if slot_mapping.shape[0] != key.shape[0]:
-        raise ValueError(
-            f"{op}: slot_mapping must have one slot per token ({key.shape[0]}); got {slot_mapping.shape[0]}"
-        )
-
-
 def check_paged_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor, kv_lens: Tensor,
     scale: float, sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[Tensor],
@@ -292,7 +184,7 @@ def check_paged_attention(
     checks.tensor(op, "q", q)
     if q.dim() != 3:
         raise ValueError(f"{op}: q must be [tokens, num_q_heads, head_dim]; got shape {tuple(q.shape)}")
-    _check_caches(op, k_cache, v_cache)
+    check_caches(op, k_cache, v_cache)
     checks.same_device(op, "k_cache", k_cache, "q", q)
     if k_cache.dtype != q.dtype:
         raise TypeError(f"{op}: k_cache and v_cache must have q's dtype ({q.dtype}); got {k_cache.dtype}")
@@ -305,9 +197,9 @@ def check_paged_attention(
         raise ValueError(
             f"{op}: q's {q.shape[1]} heads must be a positive multiple of k_cache's {k_cache.shape[2]} KV heads"
         )
-    _check_index(op, "block_table", block_table, 2, k_cache)
-    _check_index(op, "kv_lens", kv_lens, 1, k_cache)
-    _check_index(op, "cu_seqlens_q", cu_seqlens_q, 1, k_cache)
+    check_index(op, "block_table", block_table, 2, k_cache)
+    check_index(op, "kv_lens", kv_lens, 1, k_cache)
+    check_index(op, "cu_seqlens_q", cu_seqlens_q, 1, k_cache)
     num_seqs = kv_lens.shape[0]
     if cu_seqlens_q.shape[0] != num_seqs + 1:
         raise ValueError(
@@ -343,22 +235,6 @@ def check_paged_attention(
 # keys
 
 
-def _caches_flatten(*caches: Tensor) -> bool:
-    """Whether each cache views as ``[num_blocks * block_size, heads, dim]`` (one slot stride)."""
-    return all(c.shape[0] <= 1 or c.stride(0) == c.shape[1] * c.stride(1) for c in caches)
-
-
-class WriteKey(NamedTuple):
-    device: str
-    dtype: torch.dtype
-    slot_dtype: torch.dtype
-    num_kv_heads: int
-    head_dim: int
-    caches_flatten: bool
-    tokens: int
-    int64: bool
-
-
 class AttentionKey(NamedTuple):
     device: str
     dtype: torch.dtype
@@ -376,13 +252,6 @@ class AttentionKey(NamedTuple):
     tokens: int
 
 
-def write_kv_cache_key(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> WriteKey:
-    return WriteKey(
-        key.device.type, key.dtype, slot_mapping.dtype, key.shape[1], key.shape[2], _caches_flatten(k_cache, v_cache),
-        token_bucket(key.shape[0]), checks.needs_int64(key, value, k_cache, v_cache),
-    )
-
-
 def paged_attention_key(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor, kv_lens: Tensor,
     scale: float, sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[Tensor],
@@ -394,7 +263,7 @@ def paged_attention_key(
     return AttentionKey(
         q.device.type, q.dtype, q.shape[2], q.shape[1], k_cache.shape[2], k_cache.shape[1],
         softcap is not None, None if sinks is None else sinks.dtype, decode,
-        token_bucket(num_seqs), token_bucket(longest), _caches_flatten(k_cache, v_cache),
+        token_bucket(num_seqs), token_bucket(longest), caches_flatten(k_cache, v_cache),
         checks.needs_int64(q, k_cache, v_cache), token_bucket(q.shape[0]),
     )
 
@@ -413,41 +282,12 @@ def _attention_accepts(key: AttentionKey) -> str | None:
     return None
 
 
-def _write_accepts(key: WriteKey) -> str | None:
-    if key.dtype not in checks.KERNEL_DTYPES:
-        return f"dtype {key.dtype} not supported (kernel dtypes: fp32, fp16, bf16)"
-    if not key.caches_flatten:
-        return "a cache's block and slot dims do not merge into one slot stride"
-    return None
-
-
 def _attention_tuning_key(key: AttentionKey) -> dict[str, object]:
     return {
         "dtype": str(key.dtype).removeprefix("torch."), "head_dim": key.head_dim,
         "group": key.num_q_heads // key.num_kv_heads, "block_size": key.block_size, "decode": key.decode,
         "kv_len": key.kv_len,
     }
-
-
-def _write_tuning_key(key: WriteKey) -> dict[str, object]:
-    return {"dtype": str(key.dtype).removeprefix("torch."), "head_dim": key.head_dim, "num_kv_heads": key.num_kv_heads}
-
-
-def _slots(cache: Tensor) -> Tensor:
-    return cache.view(cache.shape[0] * cache.shape[1], cache.shape[2], cache.shape[3])
-
-
-def _build_write(key: WriteKey, config: dict, args: tuple) -> Any:
-    k, v, k_cache, v_cache, slot_mapping = args
-    launch = kernels.write_kv_cache_kernel.compile(
-        config, (k, v, _slots(k_cache), _slots(v_cache), slot_mapping), int64=key.int64
-    )
-
-    def run(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-        if key.shape[0] and k_cache.shape[0]:
-            launch(key, value, _slots(k_cache), _slots(v_cache), slot_mapping)
-
-    return run
 
 
 class _AttentionLaunch:
@@ -499,7 +339,7 @@ class _AttentionLaunch:
         else:
             partial_lse = partial_out = self.placeholder
         return (
-            q.reshape(tokens * heads, head_dim), _slots(k_cache), _slots(v_cache), block_table, cu_seqlens_q,
+            q.reshape(tokens * heads, head_dim), slot_view(k_cache), slot_view(v_cache), block_table, cu_seqlens_q,
             kv_lens, self.no_sinks if sinks is None else sinks, out.view(tokens * heads, head_dim),
             partial_out, partial_lse, float(scale), float(softcap) if softcap is not None else 1.0,
             int(sliding_window) if sliding_window is not None else NO_WINDOW, packed, self.num_splits,
@@ -569,54 +409,22 @@ def _example_attention(tokens: int, width: int, dtype: torch.dtype, device: str)
     return (*batch, width**-0.5, None, None, None, max(q_lens), max(kv_lens))
 
 
-def _example_write(tokens: int, width: int, dtype: torch.dtype, device: str) -> tuple:
-    g = torch.Generator().manual_seed(tokens)
-    heads, block_size = 2, 16
-    num_blocks = -(-tokens // block_size) + 2
-    key = torch.randn(tokens, heads, width, generator=g).to(dtype)
-    value = torch.randn(tokens, heads, width, generator=g).to(dtype)
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
-    if tokens > 1:
-        slots[tokens // 2] = -1
-    k_cache = torch.zeros(num_blocks, block_size, heads, width, dtype=dtype)
-    return tuple(t.to(device) for t in (key, value, k_cache, k_cache.clone(), slots))
-
-
 # --------------------------------------------------------------------------------------------
-# the ops
+# the op
 
-write_kv_cache_op = Op(
-    "write_kv_cache", write_kv_cache_reference, check=check_write_kv_cache, key=write_kv_cache_key,
-    providers=[Provider(
-        "helion", _build_write, interpreters=frozenset({"triton", "helion"}), accepts=_write_accepts,
-        kernel=kernels.WRITE_KV_CACHE, tuning_key=_write_tuning_key, available=helion_available,
-    )],
-    mutates_args=("k_cache", "v_cache"), example_inputs=_example_write, compiled_reference=_EagerReference,
-    fake=_write_kv_cache_shape,
-)
+
 paged_attention_op = Op(
     "paged_attention", paged_attention_reference, check=check_paged_attention, key=paged_attention_key,
     providers=[Provider(
         "helion", _build_attention, interpreters=frozenset({"triton", "helion"}), accepts=_attention_accepts,
         kernel=kernels.PAGED_ATTENTION, tuning_key=_attention_tuning_key, available=helion_available,
     )],
-    example_inputs=_example_attention, compiled_reference=_EagerReference, fake=_paged_attention_shape,
+    example_inputs=_example_attention, compiled_reference=EagerReference, fake=_paged_attention_shape,
 )
 
 
 # --------------------------------------------------------------------------------------------
 # public API
-
-
-def write_kv_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Write ``key`` / ``value`` ``[tokens, num_kv_heads, head_dim]`` into the paged caches, in place.
-
-    Token ``t`` goes to slot ``slot_mapping[t]`` (int32 or int64): block ``slot // block_size``,
-    offset ``slot % block_size`` of ``k_cache`` / ``v_cache`` ``[num_blocks, block_size, num_kv_heads,
-    head_dim]``. A negative slot marks a padding token, which is skipped. ``key`` / ``value`` may
-    be strided views (e.g. of a fused QKV projection); they must have the caches' dtype.
-    """
-    write_kv_cache_op(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(

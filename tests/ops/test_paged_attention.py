@@ -1,9 +1,8 @@
-"""write_kv_cache and paged_attention: DSL vs reference, the spec vs Hugging Face attention, bad inputs."""
+"""paged_attention: DSL vs reference, the spec vs Hugging Face attention, bad inputs."""
 
 from __future__ import annotations
 
 import re
-import zlib
 
 import pytest
 import torch
@@ -11,21 +10,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hw_agnostic import ops
-from hw_agnostic.ops.paged_attention import (
-    example_paged_batch,
-    paged_attention,
-    paged_attention_op,
-    write_kv_cache,
-    write_kv_cache_op,
-)
+from hw_agnostic.ops.paged_attention import example_paged_batch, paged_attention, paged_attention_op
+from hw_agnostic.ops.write_kv_cache import write_kv_cache, write_kv_cache_op
 from hw_agnostic.tolerances import assert_close
-from tests.harness import Case, check_provider, dsl_providers
+from tests.harness import Case, check_provider, dsl_providers, seeded_generator
 
 SMALL_BLOCKS = {"block_sizes": [16, 16], "num_warps": 4, "num_stages": 1, "num_splits": 1}
-
-
-def _generator(name: str) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(name.encode()))
 
 
 def attention_case(
@@ -56,7 +46,7 @@ def attention_case(
     num_q_heads, num_kv_heads = heads
 
     def make():
-        g = _generator(name)
+        g = seeded_generator(name)
         q, k_cache, v_cache, table, cu, lens = example_paged_batch(
             q_lens, kv_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             block_size=block_size, dtype=dtype, device="cpu", generator=g,
@@ -123,45 +113,6 @@ ATTENTION_CASES = [
 ]
 
 
-def write_case(name: str, tokens: int, *, heads: int = 2, head_dim: int = 64, block_size: int = 16,
-               num_blocks: int = 5, dtype: torch.dtype = torch.float32, slot_dtype: torch.dtype = torch.int64,
-               padding: int = 1, key_layout: str = "contiguous", cache_layout: str = "contiguous",
-               config: dict | None = None) -> Case:
-    def make():
-        g = _generator(name)
-        slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
-        slots[torch.randperm(tokens, generator=g)[:padding]] = -1
-        if key_layout == "fused":  # key and value are views of a fused QKV projection
-            fused = torch.randn(tokens, 3 * heads * head_dim, generator=g).to(dtype)
-            key = fused[:, heads * head_dim: 2 * heads * head_dim].view(tokens, heads, head_dim)
-            value = fused[:, 2 * heads * head_dim:].view(tokens, heads, head_dim)
-        else:
-            key = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
-            value = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
-        shape = (num_blocks, block_size, heads, head_dim)
-        if cache_layout == "view":
-            k_cache = torch.randn(num_blocks + 2, *shape[1:], generator=g).to(dtype)[1:-1]
-            v_cache = torch.randn(num_blocks + 2, *shape[1:], generator=g).to(dtype)[1:-1]
-        else:
-            k_cache = torch.randn(shape, generator=g).to(dtype)
-            v_cache = torch.randn(shape, generator=g).to(dtype)
-        return key, value, k_cache, v_cache, slots.to(slot_dtype)
-
-    return Case(name, make, config)
-
-
-WRITE_CASES = [
-    write_case("write-fp32", 13),
-    write_case("write-bf16-int32-slots", 9, dtype=torch.bfloat16, slot_dtype=torch.int32),
-    write_case("write-fp16-hd80-small-blocks", 7, heads=3, head_dim=80, dtype=torch.float16,
-               config={"block_sizes": [2, 2, 32], "num_warps": 4, "num_stages": 1}),
-    write_case("write-fused-key-cache-views", 11, key_layout="fused", cache_layout="view", block_size=64, num_blocks=2),
-    write_case("write-all-padding", 3, padding=3),
-    write_case("write-one-token", 1, padding=0),
-    write_case("write-no-tokens", 0, padding=0),
-]
-
-
 # --------------------------------------------------------------------------------------------
 # DSL providers vs the reference
 
@@ -171,13 +122,6 @@ WRITE_CASES = [
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=repr)
 def test_paged_attention_dsl(provider, case, device):
     check_provider(paged_attention_op, provider, case, device)
-
-
-@pytest.mark.dsl
-@pytest.mark.parametrize("provider", dsl_providers(write_kv_cache_op))
-@pytest.mark.parametrize("case", WRITE_CASES, ids=repr)
-def test_write_kv_cache_dsl(provider, case, device):
-    check_provider(write_kv_cache_op, provider, case, device)
 
 
 @pytest.mark.dsl
@@ -231,7 +175,7 @@ def test_int64_addressing(device):
     k_cache = torch.empty(num_blocks, block_size, heads, head_dim, dtype=torch.bfloat16, device=device)
     v_cache = torch.empty_like(k_cache)
     last = num_blocks - 1
-    g = _generator("int64")
+    g = seeded_generator("int64")
     key = torch.randn(10, heads, head_dim, generator=g).to(torch.bfloat16).to(device)
     value = torch.randn(10, heads, head_dim, generator=g).to(torch.bfloat16).to(device)
     slots = torch.arange(last * block_size, last * block_size + 10, device=device)
@@ -287,7 +231,7 @@ def test_matches_hf_eager_attention(family, provider):
 
     device = "cpu" if provider == "reference" else kernel_device()
     eager = import_module(f"transformers.models.{family}.modeling_{family}").eager_attention_forward
-    g = _generator(f"hf-{family}")
+    g = seeded_generator(f"hf-{family}")
     q_len, kv_len, heads, kv_heads, head_dim = 5, 29, 4, 2, 32
     window = 8 if family in ("mistral", "gemma2", "gpt_oss") else None
     softcap = 4.0 if family == "gemma2" else None
@@ -321,7 +265,7 @@ def test_reference_equals_dense_causal_attention_per_sequence():
     """Each sequence of a mixed batch equals causal attention over its own dense K/V."""
     q, k_cache, v_cache, table, cu, lens = example_paged_batch(
         [4, 1, 6], [10, 7, 6], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
-        dtype=torch.float64, device="cpu", generator=_generator("dense"),
+        dtype=torch.float64, device="cpu", generator=seeded_generator("dense"),
     )
     out = paged_attention(q, k_cache, v_cache, table, cu, lens)
     for seq, (start, end, kv_len) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), lens.tolist())):
@@ -342,14 +286,6 @@ def test_rows_without_keys_and_unowned_rows_are_zero():
     assert torch.equal(out[:3], torch.zeros(3, 2, 16))  # positions -3..-1 see no key
     assert out[3:5].abs().sum() > 0
     assert torch.equal(out[5:], torch.zeros(3, 2, 16))  # rows no sequence owns
-
-
-def test_write_kv_cache_skips_padding_and_leaves_other_slots():
-    k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
-    key, value = torch.ones(3, 1, 8), 2 * torch.ones(3, 1, 8)
-    write_kv_cache(key, value, k_cache, v_cache, torch.tensor([5, -1, 0]))
-    assert k_cache[1, 1].eq(1).all() and k_cache[0, 0].eq(1).all() and v_cache[1, 1].eq(2).all()
-    assert k_cache.sum() == 2 * 8 and v_cache.sum() == 2 * 2 * 8
 
 
 def test_custom_ops_are_registered_with_their_schemas():
@@ -374,13 +310,6 @@ def _batch(**overrides):
     for name, value in overrides.items():
         (args if name in args else kwargs)[name] = value
     return lambda: paged_attention(*args.values(), **kwargs)
-
-
-def _write(**overrides):
-    args = {"key": torch.ones(3, 2, 16), "value": torch.ones(3, 2, 16), "k_cache": torch.zeros(2, 4, 2, 16),
-            "v_cache": torch.zeros(2, 4, 2, 16), "slot_mapping": torch.tensor([0, 5, -1])}
-    args.update(overrides)
-    return lambda: write_kv_cache(*args.values())
 
 
 def _poke(tensor, index, value):
@@ -424,15 +353,6 @@ BAD_INPUTS = [
     ("kv_lens[1] is -1", _batch(kv_lens=torch.tensor([10, -1], dtype=torch.int32))),
     ("cu_seqlens_q must be non-decreasing offsets into q's 4 rows",
      _batch(cu_seqlens_q=torch.tensor([0, 3, 9], dtype=torch.int32))),
-    # write_kv_cache
-    ("key has 2 heads of dim 8 but the cache holds 2 heads of dim 16", _write(key=torch.ones(3, 2, 8))),
-    ("value must have the shape of key", _write(value=torch.ones(2, 2, 16))),
-    ("key must have the cache's dtype", _write(key=torch.ones(3, 2, 16, dtype=torch.bfloat16))),
-    ("slot_mapping must have dtype int32 or int64", _write(slot_mapping=torch.tensor([0.0, 1.0, 2.0]))),
-    ("slot_mapping must have one slot per token (3)", _write(slot_mapping=torch.tensor([0, 1]))),
-    ("slot_mapping holds slot 8, past the cache's 8 slots", _write(slot_mapping=torch.tensor([0, 8, -1]))),
-    ("slot_mapping writes one slot twice", _write(slot_mapping=torch.tensor([2, 2, -1]))),
-    ("v_cache must have the shape of k_cache", _write(v_cache=torch.zeros(3, 4, 2, 16))),
 ]
 
 
@@ -440,13 +360,6 @@ BAD_INPUTS = [
 def test_bad_inputs_name_the_argument(message, call):
     with pytest.raises((TypeError, ValueError), match=re.escape(message)):
         call()
-
-
-def test_a_bad_slot_leaves_the_caches_alone():
-    k_cache, v_cache = torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16)
-    with pytest.raises(ValueError):
-        write_kv_cache(torch.ones(2, 2, 16), torch.ones(2, 2, 16), k_cache, v_cache, torch.tensor([1, 99]))
-    assert k_cache.abs().sum() == 0 and v_cache.abs().sum() == 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,7 +374,7 @@ def test_a_bad_slot_leaves_the_caches_alone():
 ])
 def test_serving_sizes_on_the_gpu(q_lens, kv_lens):
     batch = example_paged_batch(q_lens, kv_lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
-                                dtype=torch.bfloat16, device="cuda", generator=_generator(str(kv_lens)))
+                                dtype=torch.bfloat16, device="cuda", generator=seeded_generator(str(kv_lens)))
     hints = (max(q_lens), max(kv_lens))
     with ops.trace_dispatch() as ran:
         got = paged_attention(*batch, max_q_len=hints[0], max_kv_len=hints[1])

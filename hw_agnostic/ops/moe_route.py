@@ -1,0 +1,233 @@
+"""``moe_route``: router logits ``[T, E]`` -> ``(weights [T, K] fp32, ids [T, K] int64)``.
+
+Softmax then top-k (Qwen, Mixtral, OLMoE), sigmoid with correction bias and group-limited top-k
+(DeepSeek-V3), or top-k then softmax (gpt-oss); optional renormalisation and scaling factor.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from ..autotune.keys import token_bucket
+from ..autotune.shapes import moe_model
+from ..kernels import moe_route as kernels
+from ..kernels.runtime import next_power_of_2
+from . import checks
+from .moe_common import MAX_KERNEL_EXPERTS, dtype_name, helion_provider
+from .registry import Op
+
+SCORINGS = kernels.SCORINGS
+#: Upper limits of the routing kernel (the reference runs beyond them).
+MAX_KERNEL_TOP_K = 32
+MAX_KERNEL_GROUPS = 32
+
+
+# --------------------------------------------------------------------------------------------
+# the spec
+
+
+def moe_route_reference(
+    router_logits: Tensor,
+    correction_bias: Optional[Tensor],
+    top_k: int,
+    scoring: str,
+    renormalize: bool,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+) -> tuple[Tensor, Tensor]:
+    compute = torch.promote_types(router_logits.dtype, torch.float32)
+    logits = router_logits.to(compute)
+    if scoring == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    elif scoring == "sigmoid":
+        scores = torch.sigmoid(logits)
+    else:
+        scores = logits
+    choice = scores if correction_bias is None else scores + correction_bias.to(compute)
+    num_experts = logits.shape[-1]
+    if n_group > 1:
+        per_group = num_experts // n_group
+        grouped = choice.view(-1, n_group, per_group)
+        group_scores = grouped.topk(min(2, per_group), dim=-1)[0].sum(dim=-1)
+        best_groups = group_scores.topk(topk_group, dim=-1)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1)[1]
+    weights = scores.gather(1, ids)
+    if scoring == "topk_then_softmax":
+        weights = torch.softmax(weights, dim=-1)
+    if renormalize:
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total + 1e-20 if scoring == "sigmoid" else total)
+    return weights * routed_scaling_factor, ids
+
+
+# --------------------------------------------------------------------------------------------
+# checks
+
+
+def check_moe_route(router_logits: Tensor, correction_bias: Optional[Tensor], top_k: int, scoring: str,
+                    renormalize: bool, n_group: int, topk_group: int, routed_scaling_factor: float) -> None:
+    op = "moe_route"
+    checks.matrix(op, "router_logits", router_logits)
+    num_experts = router_logits.shape[1]
+    if num_experts == 0:
+        raise ValueError(f"{op}: router_logits must have at least one expert column; got shape "
+                         f"{tuple(router_logits.shape)}")
+    checks.integer(op, "top_k", top_k, minimum=1, maximum=num_experts)
+    checks.choice(op, "scoring", scoring, SCORINGS)
+    checks.flag(op, "renormalize", renormalize)
+    if correction_bias is not None:
+        checks.vector(op, "correction_bias", correction_bias, num_experts, "router_logits", router_logits)
+    checks.integer(op, "n_group", n_group, minimum=1, maximum=num_experts)
+    checks.integer(op, "topk_group", topk_group, minimum=1, maximum=n_group)
+    if num_experts % n_group:
+        raise ValueError(f"{op}: n_group ({n_group}) must divide the number of experts ({num_experts})")
+    if n_group > 1 and scoring != "sigmoid":
+        raise ValueError(f"{op}: group-limited routing (n_group={n_group}) is DeepSeek-V3's and needs "
+                         f"scoring='sigmoid'; got scoring={scoring!r}")
+    eligible = topk_group * (num_experts // n_group)
+    if top_k > eligible:
+        raise ValueError(f"{op}: top_k ({top_k}) exceeds the {eligible} experts of the topk_group={topk_group} "
+                         f"best groups")
+    checks.number(op, "routed_scaling_factor", routed_scaling_factor)
+
+
+# --------------------------------------------------------------------------------------------
+# keys
+
+
+class RouteKey(NamedTuple):
+    device: str
+    dtype: torch.dtype
+    bias_dtype: Optional[torch.dtype]
+    experts: int
+    top_k: int
+    scoring: str
+    renormalize: bool
+    n_group: int
+    topk_group: int
+    tokens: int
+    int64: bool
+
+
+def moe_route_key(router_logits: Tensor, correction_bias: Optional[Tensor], top_k: int, scoring: str,
+                  renormalize: bool, n_group: int, topk_group: int, routed_scaling_factor: float) -> RouteKey:
+    return RouteKey(
+        router_logits.device.type, router_logits.dtype, None if correction_bias is None else correction_bias.dtype,
+        router_logits.shape[1], top_k, scoring, renormalize, n_group, topk_group,
+        token_bucket(router_logits.shape[0]), checks.needs_int64(router_logits),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# the Helion provider
+
+
+def _route_accepts(key: RouteKey) -> str | None:
+    problem = checks.kernel_dtype_problem("router_logits / correction_bias", key.dtype, key.bias_dtype)
+    if problem:
+        return problem
+    if key.experts > MAX_KERNEL_EXPERTS:
+        return f"{key.experts} experts exceed the routing kernel's {MAX_KERNEL_EXPERTS}"
+    if key.top_k > MAX_KERNEL_TOP_K or key.n_group > MAX_KERNEL_GROUPS:
+        return f"top_k {key.top_k} / n_group {key.n_group} exceed the routing kernel's {MAX_KERNEL_TOP_K} / " \
+               f"{MAX_KERNEL_GROUPS} (its loops over them are unrolled)"
+    return None
+
+
+def _route_tuning_key(key: RouteKey) -> dict[str, object]:
+    return {"dtype": dtype_name(key.dtype), "experts": key.experts, "top_k": key.top_k, "scoring": key.scoring}
+
+
+def _build_route(key: RouteKey, config: dict, args: tuple) -> object:
+    logits, bias = args[0], args[1]
+    top_k, has_bias = key.top_k, key.bias_dtype is not None
+    block_e, block_k = next_power_of_2(key.experts), next_power_of_2(top_k)
+    constants = (block_e, block_k, top_k, key.scoring, key.renormalize, has_bias, key.n_group, key.topk_group)
+
+    def outputs(logits: Tensor) -> tuple[Tensor, Tensor]:
+        rows = logits.shape[0]
+        return (torch.empty((rows, top_k), dtype=torch.float32, device=logits.device),
+                torch.empty((rows, top_k), dtype=torch.int64, device=logits.device))
+
+    if key.tokens == 0:  # this key only ever sees empty calls
+        return lambda logits, *rest: outputs(logits)
+    weights, ids = outputs(logits)
+    # Without a correction bias the kernel never reads that argument; any 1-D tensor binds it.
+    launch = kernels.route_kernel.compile(
+        config, (logits, bias if has_bias else logits[0], weights, ids, float(args[7]), *constants), int64=key.int64)
+
+    def run(logits: Tensor, bias: Optional[Tensor], top_k: int, scoring: str, renormalize: bool, n_group: int,
+            topk_group: int, routed_scaling_factor: float) -> tuple[Tensor, Tensor]:
+        weights, ids = outputs(logits)
+        if logits.shape[0]:
+            launch(logits, bias if has_bias else logits[0], weights, ids, float(routed_scaling_factor), *constants)
+        return weights, ids
+
+    return run
+
+
+# --------------------------------------------------------------------------------------------
+# example inputs (tuner, benchmarks, opcheck; see .moe_common)
+
+
+def _example_route(tokens: int, width: int, dtype: torch.dtype, device: str) -> tuple:
+    model = moe_model(width)
+    logits = torch.randn(tokens, model.experts, dtype=dtype, device=device)
+    if model.n_group > 1:
+        bias = 0.1 * torch.randn(model.experts, device=device)
+        return logits, bias, model.top_k, "sigmoid", True, model.n_group, model.topk_group, 2.5
+    return logits, None, model.top_k, "softmax", True, 1, 1, 1.0
+
+
+moe_route_op = Op(
+    "moe_route", moe_route_reference, check=check_moe_route, key=moe_route_key,
+    providers=[helion_provider(_build_route, _route_accepts, kernels.MOE_ROUTE, _route_tuning_key)],
+    example_inputs=_example_route,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+
+
+def moe_route(
+    router_logits: Tensor,
+    top_k: int,
+    *,
+    scoring: str = "softmax",
+    renormalize: bool = False,
+    correction_bias: Optional[Tensor] = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Pick ``top_k`` experts per token from router logits ``[T, E]``.
+
+    Args:
+        router_logits: ``[T, E]``; scored in fp32 whatever their dtype.
+        top_k: experts per token, ``1 <= top_k <= E``.
+        scoring: ``"softmax"`` (softmax over all experts, then top-k: Qwen-MoE, Mixtral, OLMoE),
+            ``"sigmoid"`` (DeepSeek-V3: sigmoid scores, chosen by ``score + correction_bias``,
+            weighted by the unbiased score) or ``"topk_then_softmax"`` (gpt-oss, Granite-MoE:
+            top-k of the logits, softmax over those k).
+        renormalize: divide the k weights by their sum (DeepSeek-V3 adds 1e-20 to the sum).
+        correction_bias: ``[E]``, added to the scores only to choose experts.
+        n_group, topk_group: DeepSeek-V3's group-limited routing: experts form ``n_group``
+            groups, a group scores the sum of its two best (biased) scores, and only experts of
+            the ``topk_group`` best groups are eligible (``scoring="sigmoid"`` only).
+        routed_scaling_factor: multiplies the final weights.
+
+    Returns:
+        ``(weights [T, top_k] fp32, ids [T, top_k] int64)``, best expert first. Between equal
+        scores the kernels pick the lower expert index; the reference follows ``torch.topk``,
+        which leaves that choice unspecified (as the Hugging Face routers do). Cast the weights
+        as the model does (Qwen casts them to the model dtype, Mixtral and DeepSeek-V3 keep fp32).
+    """
+    return moe_route_op(router_logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group,
+                        routed_scaling_factor)
