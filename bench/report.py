@@ -171,10 +171,9 @@ def markdown(frame: pd.DataFrame, meta: dict[str, Any]) -> str:
         wide = group.pivot_table(index=["tokens", "width", "dtype"], columns="provider", values="time_us")
         columns = [c for c in ("hw_agnostic", *BASELINES) if c in wide.columns]
         table = wide[columns].rename(columns=lambda c: f"{c} µs")
-        info = ours.set_index(["tokens", "width", "dtype"])
+        info = ours.set_index(["tokens", "width", "dtype"]).reindex(table.index)
         if "min_us" in info:
-            table.insert(1, "min–max µs", [f"{a:.1f}–{b:.1f}" for a, b in zip(info["min_us"], info["max_us"])]
-                         if len(info) == len(table) else "")
+            table.insert(1, "min–max µs", [f"{a:.1f}–{b:.1f}" for a, b in zip(info["min_us"], info["max_us"])])
             table.insert(2, "runs", info["runs"])
         for baseline in _baselines(group):
             name = "of same-size copy" if baseline == "copy" else f"× vs {baseline}"
@@ -188,7 +187,8 @@ def markdown(frame: pd.DataFrame, meta: dict[str, Any]) -> str:
         table["ran"] = info["ran"]
         notes = []
         for _, row in info.iterrows():
-            parts = [f"! spread {row['group_spread'] * 100:.0f}%" if row.get("noisy") else "", cache_note(row, cache)]
+            parts = [f"! spread {row['group_spread'] * 100:.0f}%" if row.get("noisy") is True else "",
+                     cache_note(row, cache)]
             notes.append("; ".join(p for p in parts if p))
         table["notes"] = notes
         table = table.reset_index().sort_values(["dtype", "width", "tokens"])

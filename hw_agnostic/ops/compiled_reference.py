@@ -1,5 +1,9 @@
 """The reference, compiled: what the reference provider runs when compiling is on.
 
+By default the reference runs under ``torch.compile`` (Dynamo checks its guards on every call,
+so any reference compiles correctly). Ops whose references are written to work for any sizes,
+and whose tests check that on many shapes, opt into the lean path (``lean=True``):
+
 On the CPU the reference is traced once per specialisation with ``make_fx`` (every size
 symbolic, so one graph serves every token count), compiled by Inductor into C++ with
 ``emulate_precision_casts`` (each rounding the eager reference does to the input dtype is done
@@ -10,7 +14,9 @@ takes. Calls of up to 16 rows run a single-threaded compile: an OpenMP region co
 microseconds on an idle machine and a scheduler quantum (milliseconds) on a loaded one, and a
 decode-size row has nothing to share.
 
-What this path cannot take runs elsewhere: tensors that are not contiguous (the compiled code
+The lean path checks no guards at run time, so a reference whose trace specialises on a size
+(a Python ``int()`` of one, a branch on one) would silently compute garbage for other sizes:
+hence opting in. What this path cannot take runs elsewhere: tensors that are not contiguous (the compiled code
 assumes the layout it traced) and other devices go to ``torch.compile`` of the reference, empty
 tensors and anything that fails to compile run the reference eagerly (with one warning).
 """
@@ -30,48 +36,49 @@ log = logging.getLogger("hw_agnostic.ops")
 SINGLE_THREAD_TOKENS = 16
 
 
-class _Tensor:
-    """Marks a tensor argument's place in a specialisation key."""
+class _Constant:
+    """Marks a non-tensor argument in a specialisation key."""
 
 
-_TENSOR = _Tensor()
+_CONSTANT = _Constant()
 
 
 class CompiledReference:
     """The reference under Inductor (see the module docstring); eager from the first failure on."""
 
-    def __init__(self, op_name: str, reference: Callable[..., Any]) -> None:
+    def __init__(self, op_name: str, reference: Callable[..., Any], *, lean: bool = False) -> None:
         self.op_name = op_name
         self.reference = reference
+        self.use_lean = lean
         self.lean: dict[tuple[Any, ...], _LeanGraph | None] = {}
-        self._dynamo: Callable[..., Any] | None = None
+        self._dynamo: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self.failed = False
 
     def __call__(self, *args: Any) -> Any:
         if self.failed:
             return self.reference(*args)
         contiguous, rows = True, None
+        signature = tuple((a.dtype, a.dim()) if isinstance(a, torch.Tensor) else (_CONSTANT, a) for a in args)
         for arg in args:
             if isinstance(arg, torch.Tensor):
-                if arg.device.type != "cpu" or not arg.is_contiguous():
+                if not arg.is_cpu or not arg.is_contiguous():
                     contiguous = False
                     break
                 if arg.numel() == 0:
                     return self.reference(*args)
                 if rows is None:
                     rows = arg.numel() // arg.shape[-1] if arg.dim() else 1
-        if contiguous:
+        if contiguous and self.use_lean:
             small = rows is not None and rows <= SINGLE_THREAD_TOKENS
-            signature = (small, *(_TENSOR if isinstance(a, torch.Tensor) else a for a in args))
-            graph = self.lean.get(signature, _MISSING)
+            graph = self.lean.get((small, signature), _MISSING)
             if graph is _MISSING:
-                graph = self.lean[signature] = self._compile_lean(args, 1 if small else None)
+                graph = self.lean[(small, signature)] = self._compile_lean(args, 1 if small else None)
             if graph is not None:
                 try:
                     return graph(args)
                 except AssertionError:  # a layout the graph was not traced for (Inductor checks strides)
                     pass
-        return self._compiled(*args)
+        return self._compiled(signature, args)
 
     def _compile_lean(self, args: tuple[Any, ...], threads: int | None) -> _LeanGraph | None:
         try:
@@ -81,17 +88,18 @@ class CompiledReference:
                      type(err).__name__, err)
             return None
 
-    def _compiled(self, *args: Any) -> Any:
+    def _compiled(self, signature: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
         try:
-            if self._dynamo is None:
+            compiled = self._dynamo.get(signature)
+            if compiled is None:
                 # Dynamo keeps compiled code, and its recompile budget, on the code object: a copy
                 # per specialisation keeps each one's recompiles from crowding out the others'.
                 private = types.FunctionType(self.reference.__code__.replace(), self.reference.__globals__,
                                              self.reference.__name__, self.reference.__defaults__,
                                              self.reference.__closure__)
-                self._dynamo = torch.compile(private, dynamic=None, fullgraph=True,
-                                             options={"emulate_precision_casts": True})
-            return self._dynamo(*args)
+                compiled = self._dynamo[signature] = torch.compile(
+                    private, dynamic=None, fullgraph=True, options={"emulate_precision_casts": True})
+            return compiled(*args)
         except Exception as err:  # no C++ compiler, an Inductor bug, ...
             self.failed = True
             log.warning("hw_agnostic: %s: compiling the reference failed (%s: %s); running it eagerly",
@@ -100,6 +108,11 @@ class CompiledReference:
 
 
 _MISSING: Any = object()
+
+
+def lean_compiled_reference(op_name: str, reference: Callable[..., Any]) -> CompiledReference:
+    """The factory of an op that opts into the lean path (see the module docstring)."""
+    return CompiledReference(op_name, reference, lean=True)
 
 
 class _LeanGraph:
@@ -141,6 +154,7 @@ class _LeanGraph:
         with inductor_config.patch(options):
             compiled = compile_fx_inner(traced, fakes)
         self.call = compiled.current_callable
+        self.threads = threads
         self.positions = positions
         self.returned = returned[0]
         graph_inputs = len(fakes)

@@ -392,8 +392,10 @@ def _reference_provider(op: Op) -> Provider:
     def build(key: Any, config: dict[str, Any] | None, args: tuple[Any, ...]) -> Callable[..., Any]:
         if not compile_reference_enabled() or key.device not in ("cpu", "cuda"):
             return op.reference
-        # One compiled function per key up to the token count, which dynamo keeps dynamic.
-        specialisation = key._replace(tokens=None)
+        # On the CPU one compiled reference per op: it traces one graph per dtypes, ranks and
+        # scalar arguments, every size symbolic. Elsewhere one per key up to the token count,
+        # which dynamo keeps dynamic.
+        specialisation = "cpu" if key.device == "cpu" else key._replace(tokens=None)
         if specialisation not in compiled:
             compiled[specialisation] = op.compiled_reference(op.name, op.reference)
         return compiled[specialisation]
