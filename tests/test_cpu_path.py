@@ -185,3 +185,29 @@ def test_softmax_routing_is_bit_identical_to_the_reference():
                 args = (logits, None, top_k, "softmax", renormalize, 1, 1, factor)
                 (w1, i1), (w2, i2) = route._moe_route_lean(*args), route.moe_route_reference(*args)
                 assert torch.equal(w1, w2) and torch.equal(i1, i2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_a_rewired_model_on_the_cpu_path_matches_hf(family):
+    """What a user gets by default: the rewired model's logits and greedy tokens, compiled norms,
+    lean activations and batched attention included (qwen3 norms strided q/k heads, gemma2 has a
+    window and a softcap)."""
+    import copy
+
+    from hw_agnostic import rewire
+    from tests.backend.models import build, prompt
+
+    model = build(family)
+    reference = copy.deepcopy(model)
+    rewire(model)
+    ids = prompt()
+    with torch.no_grad(), ops.trace_dispatch() as ran:
+        got = model(ids).logits
+    want = reference(ids).logits
+    assert (got - want).norm() / want.norm() <= 1e-5
+    assert {"rms_norm", "paged_attention"} <= {p.op for p in ran}
+    with torch.no_grad():
+        tokens = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        expected = reference.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert torch.equal(tokens, expected)

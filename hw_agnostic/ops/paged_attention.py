@@ -198,7 +198,8 @@ class _ReferenceAttention:
     @staticmethod
     def _pages(cache: Tensor, blocks: Tensor, kv_len: int) -> Tensor:
         """``[..., kv_len, Hkv, D]``: the keys (or values) of ``blocks`` (``[..., n]`` block ids), in order."""
-        gathered = cache[blocks.long()]  # [..., n, block, Hkv, D]
+        # index_select copies whole blocks (memcpy); advanced indexing computes every element's offset
+        gathered = cache.index_select(0, blocks.reshape(-1)).view(*blocks.shape, *cache.shape[1:])
         return gathered.flatten(-4, -3)[..., :kv_len, :, :]
 
     def _prefill(self, queries: Tensor, k_cache: Tensor, v_cache: Tensor, blocks: Tensor, kv_len: int, scale: float,
