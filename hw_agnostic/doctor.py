@@ -128,10 +128,21 @@ def _op_section(device_types: list[str]) -> dict[str, Any]:
             providers = {p.name: (p.why_not(key) or "can run") for p in op.providers}
             runs = next(p for p, why in providers.items() if why == "can run")
             if runs == "reference" and device == "cpu":
-                runs += " (compiled)" if compile_reference_enabled() else " (eager)"
+                runs += f": {_cpu_path(op) if compile_reference_enabled() else 'the plain reference, eager'}"
             entry[device] = {"runs": runs, "providers": providers}
         report[name] = entry
     return report
+
+
+def _cpu_path(op: Any) -> str:
+    """How the reference provider runs ``op`` on the CPU: the first sentence of its factory's docstring."""
+    from .ops.compiled_reference import CompiledReference
+
+    if op.compiled_reference is CompiledReference:
+        return "torch.compile of the reference"
+    doc = (getattr(op.compiled_reference, "__doc__", None) or "").strip().split("\n\n")[0]
+    sentence = " ".join(doc.split()).split(". ")[0].rstrip(".")
+    return sentence or getattr(op.compiled_reference, "__name__", "compiled")
 
 
 def _config_section() -> dict[str, Any]:

@@ -75,6 +75,7 @@ _LEAN = {"silu_and_mul": _silu_and_mul_lean, "gelu_and_mul": _gelu_and_mul_lean,
 
 
 def _lean_reference(op_name: str, reference: object) -> object:
+    """The reference's own ATen kernels, intermediates in place: bit-identical, one allocation."""
     return _LEAN[op_name]
 
 

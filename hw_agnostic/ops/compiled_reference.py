@@ -44,7 +44,7 @@ _CONSTANT = _Constant()
 
 
 class CompiledReference:
-    """The reference under Inductor (see the module docstring); eager from the first failure on."""
+    """The reference under torch.compile, or the lean path (see the module docstring); eager on failure."""
 
     def __init__(self, op_name: str, reference: Callable[..., Any], *, lean: bool = False) -> None:
         self.op_name = op_name
@@ -111,7 +111,7 @@ _MISSING: Any = object()
 
 
 def lean_compiled_reference(op_name: str, reference: Callable[..., Any]) -> CompiledReference:
-    """The factory of an op that opts into the lean path (see the module docstring)."""
+    """Traced once, compiled by Inductor, called without Dynamo (strided inputs: torch.compile)."""
     return CompiledReference(op_name, reference, lean=True)
 
 

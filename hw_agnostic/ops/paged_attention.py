@@ -155,7 +155,9 @@ def paged_attention_reference(
 
 
 class _ReferenceAttention:
-    """What the reference provider runs: the reference's math, without its per-sequence loop where
+    """Prefill through SDPA on gathered pages, decode batched; softcap, sinks and fp64 eager.
+
+    What the reference provider runs: the reference's math, without its per-sequence loop where
     the batch allows.
 
     * Sequences with several queries (prefill, chunked prefill) go to PyTorch's

@@ -26,17 +26,19 @@ provider that cannot run a call raises :class:`ProviderError` saying why. Which 
 why the others were skipped: :meth:`Op.plan`, :func:`trace_dispatch`, and a DEBUG log line on
 the ``hw_agnostic.ops`` logger each time a plan is made.
 
-On the reference path the reference runs under ``torch.compile`` (once per key, dynamic in the
-token count), falling back to eager if compiling fails; ``HW_AGNOSTIC_COMPILE_REFERENCE=0``
-disables compiling.
+On the reference path the reference runs compiled or in an allocation-lean form with the same
+results (the op's ``compiled_reference`` factory; see :mod:`.compiled_reference`), falling back
+to eager if compiling fails; ``HW_AGNOSTIC_COMPILE_REFERENCE=0`` runs the plain reference.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -313,8 +315,6 @@ class Op:
 
 def _config_fields(op: Op, key: Any) -> tuple[set[str], set[str]]:
     """The config fields ``op``'s kernels use for calls with ``key``, and Helion's other settings."""
-    import sys
-
     fields: set[str] = set()
     for provider in op.providers:
         if provider.kernel is None or provider.tuning_key is None:
@@ -325,8 +325,6 @@ def _config_fields(op: Op, key: Any) -> tuple[set[str], set[str]]:
     helion = sys.modules.get("helion")  # Helion's own settings are valid too (not imported just to ask)
     settings: set[str] = set()
     if fields and helion is not None:
-        import inspect
-
         settings = {name for name, p in inspect.signature(helion.Config.__init__).parameters.items()
                     if p.kind is inspect.Parameter.KEYWORD_ONLY}
     return fields, settings
