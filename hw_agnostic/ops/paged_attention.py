@@ -155,19 +155,19 @@ def paged_attention_reference(
 
 
 class _ReferenceAttention:
-    """Prefill through SDPA on gathered pages, decode batched; softcap, sinks and fp64 eager.
+    """Each sequence's pages gathered in fp32 into SDPA, decode steps batched; softcap, sinks, fp64 eager.
 
-    What the reference provider runs: the reference's math, without its per-sequence loop where
-    the batch allows.
-
-    * Sequences with several queries (prefill, chunked prefill) go to PyTorch's
-      ``scaled_dot_product_attention`` on their gathered pages, in ``q``'s dtype (on the CPU its
-      flash kernel: fp32 softmax and accumulation, blocked, multi-threaded). The reference's
-      einsums hold every ``[heads, q_len, kv_len]`` logit in fp32 and run 5x slower.
-    * Decode sequences (one query each) with the same number of keys run as one batch through
-      the reference's own fp32 math (SDPA's flash kernel wastes its query tiles on one row).
-    * Softcap, sinks, fp64 and queries that see no key run the reference itself.
+    What the reference provider runs: the reference's math (fp32 logits, softmax and
+    accumulation of the upcast inputs, as the reference does) through PyTorch's
+    ``scaled_dot_product_attention`` (on the CPU its flash kernel: blocked, multi-threaded, no
+    ``[heads, q_len, kv_len]`` logits tensor) instead of the reference's einsums and per-sequence
+    loop. Decode sequences with the same number of keys run as one batch, in chunks whose
+    gathered pages stay below :attr:`MAX_GATHER_BYTES` (a larger fresh buffer costs page faults
+    on every call). Softcap and sinks, which SDPA cannot express, fp64, and batches with queries
+    that see no key run the reference itself.
     """
+
+    MAX_GATHER_BYTES = 16 << 20
 
     def __init__(self, op_name: str, reference: Any) -> None:
         self.reference = reference
@@ -185,62 +185,54 @@ class _ReferenceAttention:
         if any(end - start > n for start, end, n in spans):  # queries that see no key: the reference's zeros
             return self.reference(*args)
         out = torch.zeros_like(q)
+        block_size = k_cache.shape[1]
         decode: dict[int, list[int]] = {}
         for seq, (start, end, kv_len) in enumerate(spans):
             if end - start == 1:
                 decode.setdefault(kv_len, []).append(seq)
             elif end > start:
-                out[start:end] = self._prefill(q[start:end], k_cache, v_cache, block_table[seq], kv_len, scale,
-                                               sliding_window)
+                blocks = block_table[seq: seq + 1, : -(-kv_len // block_size)]
+                out[start:end] = self._attend(q[None, start:end], k_cache, v_cache, blocks, kv_len, scale,
+                                              sliding_window)[0]
+        row_bytes = k_cache.shape[2] * k_cache.shape[3] * 4
         for kv_len, seqs in decode.items():
-            self._decode(out, q, k_cache, v_cache, block_table, seqs, [spans[s][0] for s in seqs], kv_len, scale,
-                         sliding_window)
+            chunk = max(1, self.MAX_GATHER_BYTES // max(kv_len * row_bytes, 1))
+            for first in range(0, len(seqs), chunk):
+                index = torch.tensor(seqs[first:first + chunk], device=q.device)
+                rows = cu_seqlens_q[index].long()
+                blocks = block_table[index, : -(-kv_len // block_size)]
+                out[rows] = self._attend(q[rows][:, None], k_cache, v_cache, blocks, kv_len, scale,
+                                         sliding_window)[:, 0]
         return out
 
     @staticmethod
-    def _pages(cache: Tensor, blocks: Tensor, kv_len: int) -> Tensor:
-        """``[..., kv_len, Hkv, D]``: the keys (or values) of ``blocks`` (``[..., n]`` block ids), in order."""
-        # index_select copies whole blocks (memcpy); advanced indexing computes every element's offset
-        gathered = cache.index_select(0, blocks.reshape(-1)).view(*blocks.shape, *cache.shape[1:])
-        return gathered.flatten(-4, -3)[..., :kv_len, :, :]
+    def _attend(queries: Tensor, k_cache: Tensor, v_cache: Tensor, blocks: Tensor, kv_len: int, scale: float,
+                sliding_window: Optional[int]) -> Tensor:
+        """``[b, q_len, Hq, D]`` attention of right-aligned ``queries`` over ``blocks`` ``[b, n]``."""
+        compute = torch.promote_types(queries.dtype, torch.float32)
+        q_len = queries.shape[1]
+        first = 0
+        if q_len == 1 and sliding_window is not None:  # one query sees the window's last keys: no mask needed
+            first = max(0, kv_len - sliding_window)
 
-    def _prefill(self, queries: Tensor, k_cache: Tensor, v_cache: Tensor, blocks: Tensor, kv_len: int, scale: float,
-                 sliding_window: Optional[int]) -> Tensor:
-        q_len = queries.shape[0]
-        used = blocks[: -(-kv_len // k_cache.shape[1])]
-        keys = self._pages(k_cache, used, kv_len).transpose(0, 1)[None]  # [1, Hkv, kv_len, D]
-        values = self._pages(v_cache, used, kv_len).transpose(0, 1)[None]
+        def pages(cache: Tensor) -> Tensor:  # [b, Hkv, keys, D]; index_select copies whole blocks
+            gathered = cache.index_select(0, blocks.reshape(-1)).view(*blocks.shape, *cache.shape[1:])
+            return gathered.flatten(1, 2)[:, first:kv_len].to(compute).transpose(1, 2)
+
         mask, causal = None, False
-        if sliding_window is None and q_len == kv_len:
-            causal = True
-        else:
-            positions = torch.arange(kv_len - q_len, kv_len, device=queries.device)[:, None]
-            index = torch.arange(kv_len, device=queries.device)[None, :]
-            mask = index <= positions
-            if sliding_window is not None:
-                mask &= index > positions - sliding_window
+        if q_len > 1:
+            if sliding_window is None and q_len == kv_len:
+                causal = True
+            else:
+                positions = torch.arange(kv_len - q_len, kv_len, device=queries.device)[:, None]
+                index = torch.arange(kv_len, device=queries.device)[None, :]
+                mask = index <= positions
+                if sliding_window is not None:
+                    mask &= index > positions - sliding_window
         attended = torch.nn.functional.scaled_dot_product_attention(
-            queries.transpose(0, 1)[None], keys, values, attn_mask=mask, is_causal=causal, scale=scale,
-            enable_gqa=True)
-        return attended[0].transpose(0, 1)  # [q_len, Hq, D]
-
-    def _decode(self, out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seqs: list[int],
-                rows: list[int], kv_len: int, scale: float, sliding_window: Optional[int]) -> None:
-        compute = torch.promote_types(q.dtype, torch.float32)
-        num_q_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = k_cache.shape[2]
-        group = num_q_heads // num_kv_heads
-        first = 0 if sliding_window is None else max(0, kv_len - sliding_window)  # the keys a window leaves
-        index = torch.tensor(seqs, device=q.device)
-        blocks = block_table[index, : -(-kv_len // k_cache.shape[1])]
-        keys = self._pages(k_cache, blocks, kv_len)[:, first:].to(compute)  # [B, n, Hkv, D]
-        values = self._pages(v_cache, blocks, kv_len)[:, first:].to(compute)
-        row_index = torch.tensor(rows, device=q.device)
-        queries = q[row_index].to(compute).view(len(seqs), num_kv_heads, group, head_dim)
-        logits = torch.einsum("bkgd,bnkd->bkgn", queries, keys) * scale
-        probs = torch.softmax(logits, dim=-1)
-        attended = torch.einsum("bkgn,bnkd->bkgd", probs, values)
-        out[row_index] = attended.reshape(len(seqs), num_q_heads, head_dim).to(q.dtype)
+            queries.to(compute).transpose(1, 2), pages(k_cache), pages(v_cache), attn_mask=mask, is_causal=causal,
+            scale=scale, enable_gqa=True)
+        return attended.transpose(1, 2).to(queries.dtype)
 
 
 def _paged_attention_shape(
