@@ -74,7 +74,8 @@ def _ratio_text(row: pd.Series, baseline: str) -> str:
 
 
 def _label(row: pd.Series) -> str:
-    return f"{row['op']} {row['shape']} {row['dtype']}"
+    shape = "" if str(row["op"]).endswith(str(row["shape"])) else f" {row['shape']}"  # model rows name it
+    return f"{row['op']}{shape} {row['dtype']}"
 
 
 def _mib(value: float) -> str:

@@ -62,15 +62,16 @@ def test_fused_add_rms_norm(case, inplace):
 
 @pytest.mark.slow
 def test_norms_run_one_compiled_graph_per_specialisation_called_without_dynamo(monkeypatch):
-    """Token counts and hidden sizes share a graph; small calls have their own single-threaded one."""
+    """Token counts and hidden sizes share a graph; small calls (up to 64K elements) have their own
+    single-threaded one."""
 
     def no_dynamo(*args):
         raise AssertionError("a contiguous call went through torch.compile")
 
     monkeypatch.setattr(compiled_reference.CompiledReference, "_compiled", no_dynamo)
-    weight = torch.randn(64, dtype=torch.bfloat16)
-    for tokens in (1, 3, 16, 40, 300):
-        x = torch.randn(tokens, 64, dtype=torch.bfloat16)
+    weight = torch.randn(256, dtype=torch.bfloat16)
+    for tokens in (1, 3, 16, 40, 300):  # up to 256 rows of 256 single-threaded, 300 rows not
+        x = torch.randn(tokens, 256, dtype=torch.bfloat16)
         with ops.trace_dispatch() as ran:
             got = ops.rms_norm(x, weight)
         torch.testing.assert_close(got, rms_norm.rms_norm_reference(x, weight, 1e-6, "llama"), rtol=1.6e-2, atol=1e-2)

@@ -10,7 +10,7 @@ symbolic, so one graph serves every token count), compiled by Inductor into C++ 
 too, so the compiled reference computes what the reference computes), and called straight
 through the ``call`` function Inductor generates. ``torch.compile`` would put Dynamo's guards
 and AOTAutograd's wrappers in front of every call: about 8 µs, more than a decode-size norm
-takes. Calls of up to 16 rows run a single-threaded compile: an OpenMP region costs
+takes. Calls of up to 64K elements run a single-threaded compile: an OpenMP region costs
 microseconds on an idle machine and a scheduler quantum (milliseconds) on a loaded one, and a
 decode-size row has nothing to share.
 
@@ -32,8 +32,9 @@ import torch
 
 log = logging.getLogger("hw_agnostic.ops")
 
-#: Calls with up to this many rows (of the first tensor) run a single-threaded compile on the CPU.
-SINGLE_THREAD_TOKENS = 16
+#: Calls whose first tensor has up to this many elements run a single-threaded compile on the CPU
+#: (16 rows of 4096: a few microseconds of work, less than an OpenMP region's start and join).
+SINGLE_THREAD_ELEMENTS = 1 << 16
 
 
 class _Constant:
@@ -57,7 +58,7 @@ class CompiledReference:
     def __call__(self, *args: Any) -> Any:
         if self.failed:
             return self.reference(*args)
-        contiguous, rows = True, None
+        contiguous, elements = True, None
         signature = tuple((a.dtype, a.dim()) if isinstance(a, torch.Tensor) else (_CONSTANT, a) for a in args)
         for arg in args:
             if isinstance(arg, torch.Tensor):
@@ -66,10 +67,10 @@ class CompiledReference:
                     break
                 if arg.numel() == 0:
                     return self.reference(*args)
-                if rows is None:
-                    rows = arg.numel() // arg.shape[-1] if arg.dim() else 1
+                if elements is None:
+                    elements = arg.numel()
         if contiguous and self.use_lean:
-            small = rows is not None and rows <= SINGLE_THREAD_TOKENS
+            small = elements is not None and elements <= SINGLE_THREAD_ELEMENTS
             graph = self.lean.get((small, signature), _MISSING)
             if graph is _MISSING:
                 graph = self.lean[(small, signature)] = self._compile_lean(args, 1 if small else None)

@@ -80,33 +80,23 @@ def _normalise_into(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: 
 
 
 class _CompiledInplace:
-    """The residual added in place, then the norm compiled (lean path), in cache-sized row blocks.
+    """The residual added in place, then the norm compiled (lean path).
 
-    The in-place reference as the reference provider runs it when compiling. Inductor (torch 2.13) fails on a reduction over an input the same graph mutates (``KeyError:
-    'buf1'``), so the residual is added in place eagerly and only the norm, which reads
-    ``residual`` and writes ``x``, is compiled. Same result as the reference: ``residual + x``
-    rounds the same in place. Large calls go in blocks of rows that stay in the last-level cache
-    between the two steps, so memory sees one read and one write of each tensor, as in one pass.
+    The in-place reference as the reference provider runs it when compiling. Inductor (torch
+    2.13) fails on a reduction over an input the same graph mutates (``KeyError: 'buf1'``), so
+    the residual is added in place eagerly and only the norm, which reads ``residual`` and
+    writes ``x``, is compiled. Same result as the reference: ``residual + x`` rounds the same in
+    place. (Splitting large calls into cache-sized row blocks was measured slower on the shared
+    2-core machine: every block adds two OpenMP regions, and a region waits for a scheduler
+    quantum whenever the other core is busy.)
     """
-
-    BLOCK_BYTES = 4 << 20
 
     def __init__(self, op_name: str, reference: object) -> None:
         self.normalise_into = CompiledReference(op_name, _normalise_into, lean=True)
 
     def __call__(self, x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> None:
-        hidden = x.shape[-1]
-        rows = x.numel() // hidden if hidden else 0
-        block = max(1, self.BLOCK_BYTES // max(hidden * x.element_size(), 1))
-        if rows <= block or not (x.is_contiguous() and residual.is_contiguous()):
-            residual.add_(x)
-            self.normalise_into(x, residual, weight, eps, numerics)
-            return
-        x_rows, residual_rows = x.view(rows, hidden), residual.view(rows, hidden)
-        for start in range(0, rows, block):
-            x_block, residual_block = x_rows[start:start + block], residual_rows[start:start + block]
-            residual_block.add_(x_block)
-            self.normalise_into(x_block, residual_block, weight, eps, numerics)
+        residual.add_(x)
+        self.normalise_into(x, residual, weight, eps, numerics)
 
 
 # --------------------------------------------------------------------------------------------
