@@ -61,6 +61,8 @@ register("bench", "hw_agnostic.cli:bench_main",
 register("autotune", "hw_agnostic.autotune.__main__:main", "tune kernel launch configs on this GPU")
 register("doctor", "hw_agnostic.doctor:main",
          "report versions, devices, which provider runs each op here and why, config caches, environment")
+register("compile-report", "hw_agnostic.compile_report:compile_report_main",
+         "compile every kernel for GPU targets (no GPU needed) and tabulate registers, spills, shared memory")
 
 
 def version() -> str:

@@ -5,13 +5,26 @@
 * Tuned configs are read from and written to a per-session temporary directory, never the
   developer's own cache.
 * ``dsl`` tests need something that runs kernels: a GPU, or one of the CPU interpreters.
+  With ``HW_AGNOSTIC_COMPILE_TARGETS`` set (the compile tier) they run on the CPU in
+  compile-for-target mode, and each test fails if a launch it made broke a compile rule.
 * Hypothesis fuzzing is deterministic by default (see the profiles below).
+* No silent skips: a skip whose reason ``tests/expected_skips.py`` does not allow for this tier
+  fails its test, and the end of the run lists the tier's skips by reason.
 """
 
 from __future__ import annotations
 
+import collections
+import importlib.util
 import os
+import re
 import tempfile
+
+# The vLLM plugin's tests run in their own tier and venv (make test-vllm), where vLLM is installed;
+# the compile tier's only with HW_AGNOSTIC_COMPILE_TARGETS set (make test-compile).
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
+if not os.environ.get("HW_AGNOSTIC_COMPILE_TARGETS"):
+    collect_ignore.append("compile_targets")
 
 os.environ.setdefault("HW_AGNOSTIC_COMPILE_REFERENCE", "0")
 os.environ["HW_AGNOSTIC_CACHE_DIR"] = tempfile.mkdtemp(prefix="hw_agnostic_test_cache_")
@@ -27,12 +40,14 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+from hw_agnostic.kernels import targets  # noqa: E402
 from hw_agnostic.kernels.interpret import interpreter_mode  # noqa: E402
 
 
 def kernel_device() -> str | None:
-    """Where DSL kernels run in this process: ``"cuda"``, ``"cpu"`` (an interpreter) or None."""
-    if interpreter_mode() is not None:
+    """Where DSL kernels run in this process: ``"cuda"``, ``"cpu"`` (an interpreter, or
+    compile-for-target mode, where launches compile and the reference computes) or None."""
+    if interpreter_mode() is not None or targets.active_mode() is not None:
         return "cpu"
     if torch.cuda.is_available():
         return "cuda"
@@ -47,6 +62,60 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(no_kernels)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_gpu)
+
+
+def tier() -> str:
+    """This process's test tier (see tests/expected_skips.py)."""
+    mode = interpreter_mode()
+    if mode is not None:
+        return mode
+    if targets.active_mode() is not None:
+        return "compile"
+    return "gpu" if torch.cuda.is_available() else "reference"
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def _allowed(reason: str) -> tuple[str, str] | None:
+    from tests.expected_skips import EXPECTED_SKIPS
+
+    return next(((pattern, why) for pattern, why in EXPECTED_SKIPS[tier()] if re.match(pattern, reason)), None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = _skip_reason(report)
+        if _allowed(reason) is None:
+            report.outcome = "failed"
+            report.longrepr = (f"unexpected skip in the {tier()} tier: {reason}\n"
+                               "(a skip must be allowed, with its reason, in tests/expected_skips.py)")
+
+
+_skips: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Counts the allowed skips (on the xdist controller too: it sees every worker's reports)."""
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = _skip_reason(report)
+        allowed = _allowed(reason)
+        if allowed is not None:
+            _skips[allowed[1]][reason] += 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    total = sum(sum(reasons.values()) for reasons in _skips.values())
+    terminalreporter.write_sep("-", f"{total} skips in the {tier()} tier, each allowed by tests/expected_skips.py")
+    for why, reasons in sorted(_skips.items(), key=lambda item: -sum(item[1].values())):
+        terminalreporter.write_line(f"{sum(reasons.values()):5d}  {why}")
+        for reason, count in reasons.most_common():
+            terminalreporter.write_line(f"       {count:5d}  {reason}")
 
 
 @pytest.fixture
@@ -66,3 +135,16 @@ def _fresh_plans():
     ops.reset()
     yield
     ops.reset()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """In compile-for-target mode (the compile tier), a ``dsl`` test fails if a launch it made does
+    not compile, spills, overflows shared memory or misses 128-bit loads (hw_agnostic.kernels.targets)."""
+    mode = targets.active_mode()
+    if mode is None or "dsl" not in item.keywords:
+        return (yield)
+    with targets.compile_for([t.name for t in mode.targets]) as compile_log:
+        result = yield
+    compile_log.check()
+    return result

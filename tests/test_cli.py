@@ -24,7 +24,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_help_lists_every_command_and_exits_0():
     result = _run("--help")
     assert result.returncode == 0
-    for name in ("demo", "bench", "autotune", "doctor"):
+    for name in ("demo", "bench", "autotune", "doctor", "compile-report"):
         assert f"\n  {name} " in result.stdout
 
 
@@ -48,7 +48,7 @@ def test_unknown_command_is_one_line_naming_the_commands(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["benchmark"])
     assert exit_.value.code == 2
-    assert "unknown command 'benchmark' (commands: demo, bench, autotune, doctor" in _one_error_line(capsys)
+    assert "unknown command 'benchmark' (commands: demo, bench, autotune, doctor, compile-report)" in _one_error_line(capsys)
 
 
 def test_unknown_family_lists_the_known_ones(capsys):

@@ -48,7 +48,8 @@ from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from ..autotune import cache as config_cache
 from ..autotune.keys import make_key
-from ..autotune.platform import platform_of
+from ..autotune.platform import compile_target, platform_of
+from ..kernels import targets
 from ..kernels.interpret import interpreter_mode
 from ..kernels.runtime import KernelSpec
 from .compiled_reference import CompiledReference
@@ -59,6 +60,8 @@ PROVIDER_ENV = "HW_AGNOSTIC_PROVIDER"
 COMPILE_ENV = "HW_AGNOSTIC_COMPILE_REFERENCE"
 GPU_DEVICES = frozenset({"cuda", "xpu"})
 CHECKED_SIGNATURES = 512  # per op; decode steps with changing lengths must not grow it without bound
+#: Devices whose calls a Triton-generating provider takes in compile-for-target mode.
+TARGET_MODE_DEVICES = frozenset({"cpu", "meta"})
 
 
 class ProviderError(RuntimeError):
@@ -91,9 +94,15 @@ class Provider:
     tuning_key: Callable[[Any], dict[str, Any]] | None = None
     available: Callable[[], str | None] = _always_available
 
+    def compiles_for_targets(self, call: Any) -> bool:
+        """In compile-for-target mode a provider generating Triton takes CPU and meta calls:
+        its launches are compiled for the targets, and the reference computes the results."""
+        return (call.device in TARGET_MODE_DEVICES and "triton" in self.interpreters
+                and targets.active_mode() is not None)
+
     def why_not(self, call: Any) -> str | None:
         """None when this provider can run a call with this key, else the reason."""
-        if call.device not in self.devices:
+        if call.device not in self.devices and not self.compiles_for_targets(call):
             mode = interpreter_mode() if call.device == "cpu" else None
             if mode is None or mode not in self.interpreters:
                 supported = ", ".join(sorted(self.devices)) or "none"
@@ -119,11 +128,14 @@ class Plan:
     skipped: dict[str, str]
     run: Callable[..., Any]
     calls: int = 0
+    note: str | None = None
 
     def describe(self) -> str:
         parts = [f"{self.op}: {self.provider}"]
         if self.config is not None:
             parts.append(f"config {self.config.config} from {self.config.describe()}")
+        if self.note:
+            parts.append(self.note)
         if self.skipped:
             parts.append("skipped " + "; ".join(f"{name}: {why}" for name, why in self.skipped.items()))
         return ", ".join(parts) + f" [{self.key}]"
@@ -151,6 +163,7 @@ class Op:
         example_inputs: Callable[..., tuple[Any, ...]] | None = None,
         compiled_reference: Callable[[str, Callable[..., Any]], Callable[..., Any]] | None = None,
         fake: Callable[..., Any] | None = None,
+        differentiable: bool = False,
     ) -> None:
         if name in _ops:
             raise ValueError(f"op {name!r} is already registered")
@@ -166,9 +179,15 @@ class Op:
         self.compiled_reference = compiled_reference or CompiledReference
         # The fake implementation: the reference itself unless its output shapes depend on data.
         self.fake = fake or reference
+        # Differentiable ops get a backward: the reference's, recomputed (kernels forward, autograd back).
+        self.differentiable = differentiable
+        names = list(inspect.signature(reference).parameters)
+        self._mutated_positions = tuple(names.index(name) for name in self.mutates_args)
         self.providers: tuple[Provider, ...] = (*providers, _reference_provider(self))
         self._plans: dict[Any, Plan] = {}
         self._checked: dict[tuple[Any, ...], Plan] = {}  # call signature -> plan, see dispatch
+        # Plans of calls made inside another op under that op's forcing (see run_inside).
+        self._inherited_plans: dict[tuple[str, Any], Plan] = {}
         self.torch_op = self._register_custom_op()
         _ops[name] = self
 
@@ -191,6 +210,10 @@ class Op:
             return shapes(*args)
 
         custom.register_fake(fake)
+        if self.differentiable:
+            if self.mutates_args:
+                raise ValueError(f"op {self.name!r} mutates its arguments; it cannot be differentiable")
+            _register_reference_backward(custom, self.reference)
         return getattr(torch.ops.hw_agnostic, self.name).default
 
     # -- dispatch -------------------------------------------------------------------------------
@@ -202,8 +225,13 @@ class Op:
             or isinstance(args[0], FakeTensor)
             or (torch.is_grad_enabled() and _requires_grad(args))
         ):
-            # Traced graphs (dynamo, fx, make_fx) see the custom op; autograd sees an op without a
-            # derivative, which raises a clear error on backward instead of returning no gradient.
+            # Traced graphs (dynamo, fx, make_fx) see the custom op; autograd sees its backward
+            # (differentiable ops) or an op without a derivative, which raises on backward.
+            if torch.is_grad_enabled() and any(_requires_grad((args[i],)) for i in self._mutated_positions):
+                raise RuntimeError(
+                    f"{self.name} writes {', '.join(self.mutates_args)} in place and has no backward, but an argument "
+                    "it writes requires grad; use the out-of-place form, or call it under torch.no_grad()"
+                )
             return self.torch_op(*args)
         return self.dispatch(*args)
 
@@ -235,6 +263,29 @@ class Op:
                 record.append(plan)
         return plan.run(*args)
 
+    def run_inside(self, caller: str, *args: Any) -> Any:
+        """Run a call that a provider of op ``caller`` makes as one step of its own work.
+
+        The call is traced (``trace_dispatch`` lists it after its caller's plan) and forced like
+        its caller: unless this op is forced itself, a provider forced for ``caller`` that this
+        op also has is forced here too, so ``use_provider("helion", fused_experts)`` also runs the
+        activation inside it on helion, or raises :class:`ProviderError` saying why it cannot.
+        """
+        self.check(*args)
+        key = self.key(*args)
+        inherited = forced_provider(caller) if forced_provider(self.name) is None else None
+        if inherited is not None and all(p.name != inherited[0] for p in self.providers):
+            inherited = None
+        if inherited is None:
+            plan = self._plans.get(key) or self._make_plan(key, args)
+        else:
+            inherited = (inherited[0], f"{inherited[1]}, inside {caller}")
+            plan = self._inherited_plans.get((inherited[0], key)) or self._make_plan(key, args, inherited)
+        plan.calls += 1
+        for record in _tracers:
+            record.append(plan)
+        return plan.run(*args)
+
     def plan(self, *args: Any) -> Plan:
         """The plan a call with these arguments would run, without running it."""
         self.check(*args)
@@ -247,9 +298,10 @@ class Op:
     def reset(self) -> None:
         self._plans.clear()
         self._checked.clear()
+        self._inherited_plans.clear()
 
-    def _make_plan(self, key: Any, args: tuple[Any, ...]) -> Plan:
-        forced = forced_provider(self.name)
+    def _make_plan(self, key: Any, args: tuple[Any, ...], inherited: tuple[str, str] | None = None) -> Plan:
+        forced = inherited or forced_provider(self.name)
         names = [p.name for p in self.providers]
         if forced is not None and forced[0] not in names:
             raise ProviderError(
@@ -263,11 +315,18 @@ class Op:
             reason = provider.why_not(key)
             if reason is None:
                 _check_override(self, provider, key, skipped)
-                built = self._build(provider, key, args, skipped)
+                note = None
+                if provider.compiles_for_targets(key):
+                    built, note = self._build_for_targets(provider, key, args, skipped)
+                else:
+                    built = self._build(provider, key, args, skipped)
                 if built is not None:
                     run, choice = built
-                    plan = Plan(self.name, key, provider.name, choice, skipped, run)
-                    self._plans[key] = plan
+                    plan = Plan(self.name, key, provider.name, choice, skipped, run, note=note)
+                    if inherited is None:
+                        self._plans[key] = plan
+                    else:
+                        self._inherited_plans[(inherited[0], key)] = plan
                     log.debug("%s", plan.describe())
                     return plan
             else:
@@ -280,9 +339,9 @@ class Op:
         raise AssertionError(f"{self.name}: the reference provider refused a call: {skipped}")
 
     def _build(
-        self, provider: Provider, key: Any, args: tuple[Any, ...], skipped: dict[str, str]
+        self, provider: Provider, key: Any, args: tuple[Any, ...], skipped: dict[str, str], target: str | None = None
     ) -> tuple[Callable[..., Any], config_cache.ConfigChoice | None] | None:
-        choice = self._config_for(provider, key, args) if provider.kernel is not None else None
+        choice = self._config_for(provider, key, args, target) if provider.kernel is not None else None
         try:
             return provider.build(key, None if choice is None else choice.config, args), choice
         except Exception as err:
@@ -301,15 +360,56 @@ class Op:
             )
             return provider.build(key, choice.config, args), choice
 
-    def _config_for(self, provider: Provider, key: Any, args: tuple[Any, ...]) -> config_cache.ConfigChoice:
+    def _build_for_targets(
+        self, provider: Provider, key: Any, args: tuple[Any, ...], skipped: dict[str, str]
+    ) -> tuple[tuple[Callable[..., Any], config_cache.ConfigChoice | None] | None, str | None]:
+        """Compile-for-target mode: each target builds with the config a GPU of it would get, the
+        launches compile instead of running, and the reference computes (unless the mode says not)."""
+        mode = targets.active_mode()
+        assert mode is not None
+        groups: dict[str, list[str]] = {}
+        for target in mode.targets:
+            choice = self._config_for(provider, key, args, target.name) if provider.kernel is not None else None
+            groups.setdefault(repr(choice and choice.config), []).append(target.name)
+        launches = []
+        for names in groups.values():
+            built = self._build(provider, key, args, skipped, target=names[0])
+            if built is None:
+                return None, None
+            launches.append((tuple(names), *built))
+        reference_run = self.providers[-1].build(key, None, args) if mode.run_reference else None
+        name = self.name
+
+        def run(*call_args: Any) -> Any:
+            result = None
+            with targets.launched_by(name):
+                for names, kernel_run, _ in launches:
+                    with targets.only(names):
+                        result = kernel_run(*call_args)
+            return result if reference_run is None else reference_run(*call_args)
+
+        where = "; ".join(", ".join(names) + (f" (config {choice.config} from {choice.describe()})"
+                                               if len(launches) > 1 and choice is not None else "")
+                          for names, _, choice in launches)
+        note = f"compiled for {where}, " + ("results from the reference" if reference_run else "not run")
+        return (run, launches[0][2]), note
+
+    def _config_for(self, provider: Provider, key: Any, args: tuple[Any, ...],
+                    target: str | None = None) -> config_cache.ConfigChoice:
         assert provider.kernel is not None and provider.tuning_key is not None
         tuning_key = make_key(provider.tuning_key(key), key.tokens)
         override = _config_overrides.get(_family(self.name))
         if override is not None:
             return config_cache.ConfigChoice(dict(override), "override", "exact", tuning_key)
-        platform = platform_of(_first_device(args))
+        device = _first_device(args)
+        if provider.compiles_for_targets(key):  # what a GPU of this target would launch
+            mode = targets.active_mode()
+            return config_cache.lookup(provider.kernel, mode.platform or platform_of(device), tuning_key,
+                                       warn_if_missing=False, target=target)
+        platform = platform_of(device)
         return config_cache.lookup(
-            provider.kernel, platform, tuning_key, warn_if_missing=platform != "triton_interpreter"
+            provider.kernel, platform, tuning_key, warn_if_missing=platform != "triton_interpreter",
+            target=compile_target(device),
         )
 
 
@@ -363,6 +463,43 @@ def _signature(args: tuple[Any, ...], storages: bool) -> tuple[Any, ...]:
         else:
             parts.append((type(arg), arg))  # 1, 1.0 and True are equal, but not the same argument
     return tuple(parts)
+
+
+def _register_reference_backward(custom: Any, reference: Callable[..., Any]) -> None:
+    """The op's backward is the vector-Jacobian product of its reference, recomputed from the inputs.
+
+    Until backward kernels exist this keeps training, gradient checkpointing and inputs that need
+    gradients correct on every provider: the forward runs the kernel, the backward differentiates
+    the specification.
+    """
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        is_tensor = [isinstance(a, torch.Tensor) for a in inputs]
+        ctx.is_tensor = is_tensor
+        ctx.constants = [None if t else a for t, a in zip(is_tensor, inputs)]
+        ctx.save_for_backward(*(a for t, a in zip(is_tensor, inputs) if t))
+
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        saved = iter(ctx.saved_tensors)
+        inputs = [next(saved) if t else c for t, c in zip(ctx.is_tensor, ctx.constants)]
+        positions = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                     and ctx.needs_input_grad[i]]
+
+        def differentiated(*tensors: torch.Tensor) -> Any:
+            args = list(inputs)
+            for i, tensor in zip(positions, tensors):
+                args[i] = tensor
+            return reference(*args)
+
+        with torch.enable_grad():
+            _, vjp = torch.func.vjp(differentiated, *(inputs[i] for i in positions))
+        found = vjp(grads[0] if len(grads) == 1 else tuple(grads))
+        result: list[Any] = [None] * len(inputs)
+        for i, grad in zip(positions, found):
+            result[i] = grad
+        return tuple(result)
+
+    custom.register_autograd(backward, setup_context=setup_context)
 
 
 def _requires_grad(args: tuple[Any, ...]) -> bool:
@@ -446,6 +583,7 @@ def reset() -> None:
 
 
 config_cache.on_change(reset)
+targets.on_mode_change(reset)
 
 
 def _op_name(op: str | Op | Callable[..., Any]) -> str:

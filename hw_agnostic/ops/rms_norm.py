@@ -192,8 +192,8 @@ def _key(x: Tensor, weight: Optional[Tensor], numerics: str, *more: Tensor) -> N
 def _overlap(a: Tensor, b: Tensor) -> bool:
     if a.numel() == 0 or b.numel() == 0:
         return False
-    if isinstance(a, FakeTensor) or isinstance(b, FakeTensor):
-        return False  # tracing: there are no buffers to compare
+    if isinstance(a, FakeTensor) or isinstance(b, FakeTensor) or a.device.type == "meta":
+        return False  # tracing, or meta tensors: there are no buffers to compare
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
     size = a.element_size()
@@ -306,12 +306,12 @@ def _example_fused(tokens: int, hidden: int, dtype: torch.dtype, device: str) ->
 rms_norm_op = Op(
     "rms_norm", rms_norm_reference, check=check_rms_norm, key=rms_norm_key,
     providers=[_helion(_build_rms_norm, kernels.RMS_NORM)], example_inputs=_example_rms_norm,
-    compiled_reference=lean_compiled_reference,
+    compiled_reference=lean_compiled_reference, differentiable=True,
 )
 fused_add_rms_norm_op = Op(
     "fused_add_rms_norm", fused_add_rms_norm_reference, check=check_fused_add_rms_norm, key=fused_add_rms_norm_key,
     providers=[_helion(lambda k, c, a: _build_fused(k, c, a, inplace=False), kernels.FUSED_ADD_RMS_NORM)],
-    example_inputs=_example_fused, compiled_reference=lean_compiled_reference,
+    example_inputs=_example_fused, compiled_reference=lean_compiled_reference, differentiable=True,
 )
 fused_add_rms_norm_inplace_op = Op(
     "fused_add_rms_norm_", fused_add_rms_norm_inplace_reference, check=check_fused_add_rms_norm_inplace,
