@@ -9,11 +9,17 @@ PYTEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) -q
 
+# make bench: QUICK=1 for the small grid, SUITES=ops,model to pick suites, OUT=bench/results/cpu to
+# update the committed results (default: a new folder under bench/runs/), BENCH_ARGS for the rest.
+QUICK ?=
+SUITES ?=
+OUT ?=
+BENCH_ARGS ?=
 # Compile targets of the compile tier and compile-report (sm_80,sm_90,sm_100,gfx942,gfx1100).
 COMPILE_TARGETS ?= all
 
 .PHONY: test test-reference test-triton-interpret test-helion-interpret test-compile test-zoo test-vllm mutation bench autotune demo \
-	compile-report target-defaults gpu-campaign gpu-wheels clean
+	doctor compile-report target-defaults gpu-campaign gpu-wheels clean
 
 $(VENV)/.installed-%: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,13 +73,17 @@ test-compile: $(VENV)/.installed-test
 	HW_AGNOSTIC_COMPILE_TARGETS=$(HARNESS_TARGETS) $(PYTEST) -k _dsl tests/ops
 
 bench: $(VENV)/.installed-bench
-	$(PY) -m bench --device $(DEVICE)
+	$(PY) -m bench --device $(DEVICE) $(if $(QUICK),--quick) $(if $(SUITES),--suites $(SUITES)) \
+		$(if $(OUT),--out $(OUT)) $(BENCH_ARGS)
 
 demo: $(VENV)/.installed-test
 	$(PY) -m hw_agnostic demo $(DEMO_ARGS)
 
+doctor: $(VENV)/.installed-test
+	$(PY) -m hw_agnostic doctor
+
 autotune: $(VENV)/.installed-bench
-	$(PY) -m hw_agnostic.autotune --device $(DEVICE) --ops $(OPS) --out hw_agnostic/autotune_cache
+	$(PY) -m hw_agnostic autotune --device $(DEVICE) --ops $(OPS) --out hw_agnostic/autotune_cache
 
 # The table of every kernel compiled for every target (committed under bench/results/compile/).
 compile-report: $(VENV)/.installed-bench

@@ -33,7 +33,7 @@ import torch
 from hw_agnostic.ops.paged_attention import paged_attention, paged_attention_op
 from hw_agnostic.ops.write_kv_cache import write_kv_cache, write_kv_cache_op
 
-from .timing import first_call_s, median_time_us
+from .timing import measure_all, timed_row
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 MAX_CACHE_BYTES = 24 << 30  # per K or V cache: keeps the largest GPU rows (and SDPA's copy) in memory
@@ -157,57 +157,63 @@ def _write(tokens: int, dtype: torch.dtype, device: torch.device) -> tuple[Calla
     return lambda: write_kv_cache(*args), 4 * key.numel() * key.element_size(), args
 
 
-def run(device: torch.device, *, quick: bool, log: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+def _label(kind: str, count: int, length: int) -> str:
+    return f"paged_attention {kind} {count}x{length}"
+
+
+def _write_tokens(device: torch.device) -> tuple[int, ...]:
+    return (1, 512) if device.type == "cpu" else (1, 64, 8192)
+
+
+def count(device: torch.device, quick: bool, only: Callable[[str], bool] = lambda label: True) -> int:
+    providers = 2 if device.type == "cpu" else 4  # hw_agnostic and SDPA; FlashAttention, FlashInfer on GPUs
+    attention = providers * sum(only(_label(*item)) for item in _grid(device, quick))
+    return attention + sum(only(f"write_kv_cache {t}") for t in _write_tokens(device))
+
+
+def run(device: torch.device, *, quick: bool, log: Callable[[str], None],
+        only: Callable[[str], bool] = lambda label: True) -> Iterator[dict[str, Any]]:
     """Yield one long-format row per (op, shape, dtype, provider)."""
     dtype = torch.bfloat16
-    grid = _grid(device, quick)
+    grid = [item for item in _grid(device, quick) if only(_label(*item))]
     element = torch.finfo(dtype).bits // 8
     for index, (kind, count, length) in enumerate(grid, 1):
         cache_bytes = count * length * KV_HEADS * HEAD_DIM * element  # per K or V cache
         if cache_bytes > MAX_CACHE_BYTES:
             log(f"[{index}/{len(grid)}] skip {kind} {count}x{length}: {cache_bytes / 2**30:.0f} GiB per cache")
             continue
-        log(f"[{index}/{len(grid)}] paged_attention {kind} {'batch' if kind == 'decode' else 'seqs'}={count} "
-            f"{'context' if kind == 'decode' else 'tokens'}={length}")
+        log(f"[{index}/{len(grid)}] {_label(kind, count, length)} ({'batch' if kind == 'decode' else 'seqs'}={count} "
+            f"{'context' if kind == 'decode' else 'tokens'}={length})")
         with torch.inference_mode():
             build = _decode if kind == "decode" else _prefill
             candidates, work, args = build(count, length, dtype, device)
             plan = paged_attention_op.plan(*args)
-            for row in _measure(candidates, device):
-                tokens, width = (count, length) if kind == "decode" else (length, count)
+            tokens, width = (count, length) if kind == "decode" else (length, count)
+            for provider, timing in measure_all(candidates, device).items():
+                ours = provider == "hw_agnostic"
+                us = timing["time_us"]
                 yield {
                     "suite": "attention", "op": f"paged_attention {kind}", "shape": f"{count}x{length}",
                     "tokens": tokens, "width": width, "dtype": str(dtype).removeprefix("torch."),
-                    "provider": row["provider"],
-                    "ran": plan.provider if row["provider"] == "hw_agnostic" else row["provider"],
-                    "config_source": plan.config.describe() if row["provider"] == "hw_agnostic" and plan.config else "",
-                    "config": str(plan.config.config) if row["provider"] == "hw_agnostic" and plan.config else "",
-                    "time_us": row["time_us"], "first_call_s": row["first_call_s"], "bytes": work["bytes"],
-                    "gbps": work["bytes"] / (row["time_us"] * 1e-6) / 1e9, "flops": work["flops"],
-                    "tflops": work["flops"] / (row["time_us"] * 1e-6) / 1e12, "error": row.get("error", ""),
+                    "provider": provider, "ran": plan.provider if ours else provider,
+                    "config_source": plan.config.describe() if ours and plan.config else "",
+                    "config": str(plan.config.config) if ours and plan.config else "",
+                    **timing, "bytes": work["bytes"], "gbps": work["bytes"] / (us * 1e-6) / 1e9,
+                    "flops": work["flops"], "tflops": work["flops"] / (us * 1e-6) / 1e12,
                 }
-    for tokens in ((1, 512) if device.type == "cpu" else (1, 64, 8192)):
+    for tokens in _write_tokens(device):
+        if not only(f"write_kv_cache {tokens}"):
+            continue
         fn, moved, args = _write(tokens, dtype, device)
         plan = write_kv_cache_op.plan(*args)
         log(f"write_kv_cache {tokens} tokens")
         with torch.inference_mode():
-            first = first_call_s(fn, device)
-            us = median_time_us(fn, device)
+            timing = timed_row(fn, device)
+        us = timing["time_us"]
         yield {
             "suite": "attention", "op": "write_kv_cache", "shape": f"{tokens}x{KV_HEADS * HEAD_DIM}",
             "tokens": tokens, "width": KV_HEADS * HEAD_DIM, "dtype": str(dtype).removeprefix("torch."),
             "provider": "hw_agnostic", "ran": plan.provider,
-            "config_source": plan.config.describe() if plan.config else "", "time_us": us, "first_call_s": first,
+            "config_source": plan.config.describe() if plan.config else "", **timing,
             "bytes": moved, "gbps": moved / (us * 1e-6) / 1e9,
         }
-
-
-def _measure(candidates: dict[str, Callable[[], Any]], device: torch.device) -> Iterator[dict[str, Any]]:
-    for provider, fn in candidates.items():
-        try:
-            first = first_call_s(fn, device)
-            us = median_time_us(fn, device)
-        except Exception as err:  # a baseline that does not support this shape or build
-            yield {"provider": provider, "time_us": math.nan, "first_call_s": math.nan, "error": str(err)}
-            continue
-        yield {"provider": provider, "time_us": us, "first_call_s": first}

@@ -10,6 +10,7 @@ TFLOP/s count the linear layers' ``2 * params * tokens``; the ratio is to the sa
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from hw_agnostic import rewire
 
-from .timing import first_call_s, matmul_tflops, median_time_us
+from .timing import matmul_tflops, measure_all
 
 LLAMA3_8B_WIDTHS = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                         num_hidden_layers=2, max_position_embeddings=4096, rope_theta=500000.0)
@@ -33,7 +34,18 @@ def _linear_params(model: torch.nn.Module) -> int:
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
-def run(device: torch.device, *, quick: bool, log: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+PROVIDERS = ("hw_agnostic", "hf_eager", "hf_compile")
+STEPS = ("prefill 1x512", "decode b8 ctx128")
+
+
+def count(device: torch.device, quick: bool, only: Callable[[str], bool] = lambda label: True) -> int:
+    return len(PROVIDERS) * sum(only(step) for step in STEPS)
+
+
+def run(device: torch.device, *, quick: bool, log: Callable[[str], None],
+        only: Callable[[str], bool] = lambda label: True) -> Iterator[dict[str, Any]]:
+    if not any(only(step) for step in STEPS):
+        return
     dtype = torch.bfloat16 if device.type != "cpu" else torch.float32  # CPU bf16 matmuls are slower than fp32
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(_config(device), dtype=dtype).to(device).eval()
@@ -49,35 +61,39 @@ def run(device: torch.device, *, quick: bool, log: Callable[[str], None]) -> Ite
     context_ids = torch.randint(0, vocab, (8, 128), generator=generator).to(device)
     step_ids = torch.randint(0, vocab, (8, 1), generator=generator).to(device)
 
-    for provider, model in models.items():
-        with torch.inference_mode():
-            def prefill(model: Any = model) -> Any:
-                return model(prefill_ids, use_cache=False).logits
-
-            log(f"model prefill 1x512 {provider}")
-            first = first_call_s(prefill, device)
-            us = median_time_us(prefill, device, min_time_s=1.0 if not quick else 0.2)
-            yield _row("prefill 1x512", 512, provider, us, first, params, dtype, ceiling)
-
-            cache = DynamicCache(config=hf.config)
-            model(context_ids, past_key_values=cache, use_cache=True)
-
-            def decode(model: Any = model, cache: DynamicCache = cache) -> Any:
-                out = model(step_ids, past_key_values=cache, use_cache=True).logits
-                cache.crop(-1)  # back to the 128 context tokens
-                return out
-
-            log(f"model decode b8 ctx128 {provider}")
-            first = first_call_s(decode, device)
-            us = median_time_us(decode, device, min_time_s=1.0 if not quick else 0.2)
-            yield _row("decode b8 ctx128", 8, provider, us, first, params, dtype, ceiling)
+    min_time_s = 1.0 if not quick else 0.2
+    with torch.inference_mode():
+        if only(STEPS[0]):
+            log(f"model {STEPS[0]}: {', '.join(models)}")
+            prefills = {provider: functools.partial(_prefill, model, prefill_ids) for provider, model in models.items()}
+            for provider, timing in measure_all(prefills, device, min_time_s=min_time_s).items():
+                yield _row(STEPS[0], 512, provider, timing, params, dtype, ceiling)
+        if only(STEPS[1]):
+            log(f"model {STEPS[1]}: {', '.join(models)}")
+            decodes = {}
+            for provider, model in models.items():
+                cache = DynamicCache(config=hf.config)
+                model(context_ids, past_key_values=cache, use_cache=True)
+                decodes[provider] = functools.partial(_decode_step, model, step_ids, cache)
+            for provider, timing in measure_all(decodes, device, min_time_s=min_time_s).items():
+                yield _row(STEPS[1], 8, provider, timing, params, dtype, ceiling)
 
 
-def _row(op: str, tokens: int, provider: str, us: float, first: float, params: int, dtype: torch.dtype,
+def _prefill(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids, use_cache=False).logits
+
+
+def _decode_step(model: Any, ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    out = model(ids, past_key_values=cache, use_cache=True).logits
+    cache.crop(-1)  # back to the context tokens
+    return out
+
+
+def _row(op: str, tokens: int, provider: str, timing: dict[str, float], params: int, dtype: torch.dtype,
          ceiling: float) -> dict:
     return {
         "suite": "model", "op": op, "shape": op.split()[-1], "tokens": tokens, "width": LLAMA3_8B_WIDTHS["hidden_size"],
         "dtype": str(dtype).removeprefix("torch."), "provider": provider, "ran": provider, "config_source": "",
-        "time_us": us, "first_call_s": first, "bytes": 0, "gbps": float("nan"),
-        "tflops": 2 * params * tokens / (us * 1e-6) / 1e12, "matmul_tflops": ceiling,
+        **timing, "bytes": 0, "gbps": float("nan"),
+        "tflops": 2 * params * tokens / (timing["time_us"] * 1e-6) / 1e12, "matmul_tflops": ceiling,
     }

@@ -30,7 +30,7 @@ from hw_agnostic.autotune.shapes import MOE_MODELS, MoEModel
 from hw_agnostic.ops.fused_experts import fused_experts
 from hw_agnostic.ops.moe_common import example_routing
 
-from .timing import first_call_s, median_time_us
+from .timing import measure_all
 
 
 def _routing(model: MoEModel) -> RoutingSpec:
@@ -86,15 +86,22 @@ def _hf_router(model: MoEModel, dtype: torch.dtype, device: torch.device) -> nn.
     return router
 
 
+def _rows(model: MoEModel, op: str, tokens: int, dtype: torch.dtype, device: torch.device, flops: float, moved: int,
+          candidates: dict[str, tuple[str, str, Callable[[], Any]]]) -> Iterator[dict[str, Any]]:
+    """One row per candidate (``provider: (ran, config source, fn)``), measured together."""
+    timings = measure_all({provider: fn for provider, (_, _, fn) in candidates.items()}, device)
+    for provider, (ran, source, _) in candidates.items():
+        yield _row(model, op, tokens, dtype, provider, ran, source, timings[provider], flops, moved)
+
+
 def _row(model: MoEModel, op: str, tokens: int, dtype: torch.dtype, provider: str, ran: str, source: str,
-         fn: Callable[[], Any], device: torch.device, flops: float, moved: int) -> dict[str, Any]:
-    first = first_call_s(fn, device)
-    us = median_time_us(fn, device)
+         timing: dict[str, Any], flops: float, moved: int) -> dict[str, Any]:
+    us = timing["time_us"]
     return {
         "suite": "moe", "op": f"{op} {model.name}", "model": model.name, "shape": f"{tokens}x{model.hidden}",
         "tokens": tokens, "width": model.hidden, "experts": model.experts, "top_k": model.top_k,
         "inter": model.inter, "dtype": str(dtype).removeprefix("torch."), "provider": provider, "ran": ran,
-        "config_source": source, "time_us": us, "first_call_s": first, "bytes": moved,
+        "config_source": source, **timing, "bytes": moved,
         "gbps": moved / (us * 1e-6) / 1e9, "flops": flops, "tflops": flops / (us * 1e-6) / 1e12,
     }
 
@@ -121,8 +128,7 @@ def _experts_rows(model: MoEModel, tokens: int, dtype: torch.dtype, device: torc
         "hf_grouped_mm": ("hf_grouped_mm", "", lambda: grouped_mm_experts_forward(experts, hidden, ids, weights)),
         "hf_eager": ("hf_eager", "", lambda: original_forward(experts, hidden, ids, weights)),
     }
-    for provider, (ran, source, fn) in candidates.items():
-        yield _row(model, "moe_experts", tokens, dtype, provider, ran, source, fn, device, flops, moved)
+    yield from _rows(model, "moe_experts", tokens, dtype, device, flops, moved, candidates)
 
 
 def _route_rows(model: MoEModel, tokens: int, dtype: torch.dtype, device: torch.device) -> Iterator[dict[str, Any]]:
@@ -141,18 +147,26 @@ def _route_rows(model: MoEModel, tokens: int, dtype: torch.dtype, device: torch.
                         lambda: route(spec, hidden, router.weight, None, correction)),
         "hf_eager": ("hf_eager", "", lambda: router(hidden)),
     }
-    for provider, (ran, source, fn) in candidates.items():
-        yield _row(model, "moe_route", tokens, dtype, provider, ran, source, fn, device, flops, moved)
+    yield from _rows(model, "moe_route", tokens, dtype, device, flops, moved, candidates)
 
 
-def run(device: torch.device, *, quick: bool, log: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+def _label(model: MoEModel, tokens: int) -> str:
+    return f"moe {model.name} {tokens} tokens"
+
+
+def count(device: torch.device, quick: bool, only: Callable[[str], bool] = lambda label: True) -> int:
+    return 5 * sum(only(_label(*item)) for item in _grid(device, quick))  # 3 experts rows, 2 routing rows
+
+
+def run(device: torch.device, *, quick: bool, log: Callable[[str], None],
+        only: Callable[[str], bool] = lambda label: True) -> Iterator[dict[str, Any]]:
     """Yield one long-format row per (op, model, tokens, dtype, provider)."""
     dtype = torch.bfloat16  # the dtype of bench/__main__'s same-run matmul rate, the TFLOP/s ceiling
-    grid = _grid(device, quick)
+    grid = [item for item in _grid(device, quick) if only(_label(*item))]
     experts_by_model: dict[str, nn.Module] = {}
     with torch.inference_mode():
         for index, (model, tokens) in enumerate(grid, 1):
-            log(f"[{index}/{len(grid)}] moe {model.name} {tokens} tokens")
+            log(f"[{index}/{len(grid)}] {_label(model, tokens)}")
             if model.name not in experts_by_model:
                 experts_by_model.clear()  # one model's weights at a time
                 experts_by_model[model.name] = _hf_experts(model, dtype, device)

@@ -1,8 +1,12 @@
 """Op rows: each op vs the Hugging Face eager code it replaces, ``torch.compile`` of that code,
-and Liger where it is installed (GPUs).
+Liger where it is installed (GPUs), and a same-size copy.
 
 Bytes are the fewest an op must move (each input read once, each output written once); GB/s
 over the copy bandwidth measured in the same run says how close an op is to the memory ceiling.
+The ``copy`` rows move the same number of bytes as the op, the way the op does: ``clone()`` of
+a buffer (a fresh output, as ops returning new tensors allocate) or, for the in-place form, a
+copy into an existing buffer. ``× vs copy`` is then the fraction of a same-size copy the op
+reaches, on the same machine, in the same run, at the same size (so cache effects cancel).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from hw_agnostic import ops
 from hw_agnostic.autotune.shapes import TOKEN_COUNTS, widths
 
-from .timing import first_call_s, median_time_us
+from .timing import measure_all
 
 
 class HFAddRMSNorm(nn.Module):
@@ -67,6 +71,20 @@ class Workload:
     baselines: dict[str, nn.Module]
     inputs: tuple[Any, ...]
     args: tuple[Any, ...]  # the op's own positional arguments, to read its plan
+
+    @property
+    def inplace(self) -> bool:
+        return self.op.endswith("_")
+
+    def same_size_copy(self) -> Callable[[], Any]:
+        """A copy moving :attr:`bytes_moved` bytes: into an existing buffer for in-place ops, else a clone."""
+        x = self.inputs[0]
+        elements = max(self.bytes_moved // 2 // x.element_size(), 1)
+        src = torch.randn(elements, generator=torch.Generator().manual_seed(0)).to(device=x.device, dtype=x.dtype)
+        if self.inplace:
+            dst = torch.empty_like(src)
+            return lambda: dst.copy_(src)
+        return src.clone
 
 
 def _grid(device: torch.device, quick: bool) -> list[tuple[str, int, int, torch.dtype]]:
@@ -140,13 +158,26 @@ def _liger(workload: Workload) -> Callable[[], Any] | None:
     return None
 
 
-def run(device: torch.device, *, quick: bool, log: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+PROVIDERS = ("hw_agnostic", "hf_eager", "hf_compile", "copy")
+
+
+def _label(op: str, tokens: int, width: int, dtype: torch.dtype) -> str:
+    return f"{op} {tokens}x{width} {str(dtype).removeprefix('torch.')}"
+
+
+def count(device: torch.device, quick: bool, only: Callable[[str], bool] = lambda label: True) -> int:
+    """How many rows :func:`run` yields (Liger rows aside)."""
+    return len(PROVIDERS) * sum(only(_label(*item)) for item in _grid(device, quick))
+
+
+def run(device: torch.device, *, quick: bool, log: Callable[[str], None],
+        only: Callable[[str], bool] = lambda label: True) -> Iterator[dict[str, Any]]:
     """Yield one long-format row per (op, shape, dtype, provider)."""
     compiled: dict[tuple[str, int, torch.dtype], nn.Module] = {}
-    grid = _grid(device, quick)
+    grid = [item for item in _grid(device, quick) if only(_label(*item))]
     for index, (op, tokens, width, dtype) in enumerate(grid, 1):
         workload = _workload(op, tokens, width, dtype, device)
-        log(f"[{index}/{len(grid)}] {op} {tokens}x{width} {str(dtype).removeprefix('torch.')}")
+        log(f"[{index}/{len(grid)}] {_label(op, tokens, width, dtype)}")
         with torch.inference_mode():
             plan = ops.get_op(op).plan(*workload.args)
             candidates: dict[str, Callable[[], Any]] = {"hw_agnostic": workload.ours}
@@ -158,14 +189,13 @@ def run(device: torch.device, *, quick: bool, log: Callable[[str], None]) -> Ite
             liger = _liger(workload) if device.type == "cuda" else None
             if liger is not None:
                 candidates["liger"] = liger
-            for provider, fn in candidates.items():
-                first = first_call_s(fn, device)
-                us = median_time_us(fn, device)
+            candidates["copy"] = workload.same_size_copy()
+            for provider, timing in measure_all(candidates, device).items():
                 yield {
                     "suite": "ops", "op": op, "shape": f"{tokens}x{width}", "tokens": tokens, "width": width,
                     "dtype": str(dtype).removeprefix("torch."), "provider": provider,
                     "ran": plan.provider if provider == "hw_agnostic" else provider,
                     "config_source": plan.config.describe() if provider == "hw_agnostic" and plan.config else "",
-                    "time_us": us, "first_call_s": first, "bytes": workload.bytes_moved,
-                    "gbps": workload.bytes_moved / (us * 1e-6) / 1e9,
+                    **timing, "bytes": workload.bytes_moved,
+                    "gbps": workload.bytes_moved / (timing["time_us"] * 1e-6) / 1e9,
                 }

@@ -8,10 +8,10 @@ generated tokens of both models and their timings, and exits non-zero if the tok
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,14 +35,46 @@ def _generate(model: Any, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.
     return out[:, prompt.shape[1]:], time.perf_counter() - start
 
 
+def _check_device(name: str) -> None:
+    from .cli import UsageError
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise UsageError(f"--device {name!r} is not a device name ({err})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: this machine has no CUDA device (torch {torch.__version__}); "
+                         "use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        raise UsageError(f"--device {name}: this machine has no XPU device; use --device cpu")
+
+
+def _check_checkpoint(path: str) -> None:
+    from .cli import UsageError
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise UsageError(f"--checkpoint {path}: no such directory")
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"--checkpoint {path}: not a Hugging Face checkpoint (it has no config.json)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hw_agnostic demo", description=__doc__)
-    parser.add_argument("--family", default="llama", choices=sorted(FAMILY_EXTRAS))
+    from .cli import ArgumentParser
+
+    parser = ArgumentParser(prog="hw-agnostic demo", description=__doc__)
+    parser.add_argument("--family", default="llama", choices=sorted(FAMILY_EXTRAS), metavar="FAMILY",
+                        help=f"one of {', '.join(sorted(FAMILY_EXTRAS))} (default llama)")
     parser.add_argument("--checkpoint", default=None, help="a local checkpoint directory to load instead")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
+    _check_device(args.device)
+    if args.checkpoint:
+        _check_checkpoint(args.checkpoint)
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -81,4 +113,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import main as cli_main
+
+    sys.exit(cli_main(["demo", *sys.argv[1:]]))

@@ -115,6 +115,8 @@ def test_reference_runs_compiled_and_rounds_where_eager_does(monkeypatch):
 
 
 def test_reference_falls_back_to_eager_when_compiling_fails(monkeypatch, caplog):
+    from hw_agnostic.ops import compiled_reference
+
     monkeypatch.setenv(registry.COMPILE_ENV, "1")
 
     def broken_compile(fn, **kwargs):
@@ -123,7 +125,11 @@ def test_reference_falls_back_to_eager_when_compiling_fails(monkeypatch, caplog)
 
         return run
 
+    def broken_lean(*args):
+        raise RuntimeError("no C++ compiler")
+
     monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(compiled_reference, "_LeanGraph", broken_lean)
     ops.reset()
     x, weight = torch.randn(3, 16), torch.randn(16)
     with caplog.at_level(logging.WARNING, logger="hw_agnostic.ops"):

@@ -204,3 +204,25 @@ def test_a_config_that_fails_to_build_falls_back_to_the_default(tmp_path, monkey
         object.__setattr__(SCALE_OP.providers[0], "build", original)
     assert plan.provider == "fast" and plan.config.source == "default"
     assert any("failed to build" in r.getMessage() for r in caplog.records)
+
+
+def test_use_config_with_an_unknown_field_is_an_error_naming_it():
+    with ops.use_config(SCALE_OP, {"blokc": 2}), pytest.raises(ValueError, match=r"unknown config field\(s\) 'blokc'"
+                                                                "; test_scale's kernels take block"):
+        SCALE_OP(torch.randn(2, 4))
+    with ops.use_config(ops.rms_norm, {"block_sizes": [4], "reduction_loop": [None]}), pytest.raises(
+            ValueError, match="'reduction_loop'; rms_norm's kernels take block_sizes, .*reduction_loops"):
+        ops.rms_norm(*_call())
+
+
+@pytest.mark.skipif(interpreter_mode() is not None, reason="checks the plain CPU path, which takes no config")
+def test_use_config_on_a_path_without_configs_warns_once(caplog):
+    config = {"block_sizes": [4], "num_warps": 8}
+    with caplog.at_level(logging.WARNING, logger="hw_agnostic.ops"), ops.use_config(ops.rms_norm, config):
+        ops.rms_norm(*_call(3))
+        ops.rms_norm(*_call(3))
+        ops.rms_norm(*_call(100))  # another key, same override: still one warning
+    warnings = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "rms_norm runs the reference provider, which takes no config" in warnings[0]
+    assert "helion: device 'cpu' is not supported" in warnings[0]

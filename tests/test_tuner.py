@@ -98,6 +98,78 @@ def test_device_names_that_contradict_the_machine_are_errors():
 def test_autotune_cli_refuses_a_cpu(capsys):
     if torch.cuda.is_available():
         pytest.skip("checks a CPU-only machine")
-    assert autotune_main(["--device", "cpu", "--ops", "rms_norm"]) == 2
+    from hw_agnostic import cli
+
+    assert cli.main(["autotune", "--device", "cpu", "--ops", "rms_norm"]) == 2
     assert "autotuning needs a GPU" in capsys.readouterr().err
-    assert autotune_main(["--device", "h200"]) == 2
+    assert cli.main(["autotune", "--device", "h200"]) == 2
+    with pytest.raises(SystemExit):
+        autotune_main(["--ops", "rms_nrom"])
+    assert "--ops: unknown or untunable 'rms_nrom'; tunable: " in capsys.readouterr().err
+
+
+def test_the_summary_separates_keys_tuned_from_keys_the_budget_left_on_the_default(tmp_path, monkeypatch):
+    """Each timed candidate costs one second of a fake clock; the budget covers the first key only."""
+    from hw_agnostic.autotune import tuner
+
+    clock = [0.0]
+    monkeypatch.setattr(tuner.time, "monotonic", lambda: clock[0])
+
+    def timer(fn):
+        fn()
+        clock[0] += 1.0
+        return 1.0
+
+    results = tune(SCALE_OP, [(4, 8), (16, 8), (64, 8)], dtype=torch.float32, device="cpu", root=tmp_path,
+                   timer=timer, budget_s=2.5, progress=False)
+    # key 1: both candidates (t = 2); key 2: one candidate, then the deadline (t = 3); key 3: none
+    assert [(r.status, r.tried, r.candidates) for r in results] == [("tuned", 2, 2), ("partial", 1, 2),
+                                                                      ("out-of-budget", 0, 2)]
+    assert results[0].path == tmp_path / "cpu" / "test_scale.json" and results[2].path is None
+    keys = sorted(e["key"]["tokens"] for e in json.loads(results[0].path.read_text())["entries"])
+    assert keys == [4, 16]  # the key left on the default is not written
+    assert tuner.summary(results) == ("3 keys: tuned 1, partially tuned (budget ran out during the key) 1, "
+                                      "left on the default (budget spent) 1")
+
+
+def test_saving_leaves_no_lock_files(tmp_path):
+    tune(SCALE_OP, [(4, 8), (16, 8)], dtype=torch.float32, device="cpu", root=tmp_path, timer=_fake_timer,
+         progress=False)
+    assert sorted(p.name for p in (tmp_path / "cpu").iterdir()) == ["test_scale.json"]
+
+
+def test_concurrent_writers_keep_every_entry(tmp_path):
+    """Writers serialise on the lock file even though each removes it when done."""
+    import threading
+
+    def write(tokens):
+        cache.save_entry(SCALE_KERNEL, "cpu", {"width": 8, "tokens": tokens}, {"block": 1}, time_us=1.0,
+                         root=tmp_path)
+
+    threads = [threading.Thread(target=write, args=(1 << i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    document = json.loads((tmp_path / "cpu" / "test_scale.json").read_text())
+    assert sorted(e["key"]["tokens"] for e in document["entries"]) == [1 << i for i in range(8)]
+    assert not list((tmp_path / "cpu").glob("*.lock"))
+
+
+@pytest.mark.dsl
+@pytest.mark.skipif(interpreter_mode() != "triton", reason="the CPU dry run needs the Triton interpreter")
+def test_the_cpu_dry_run_prints_what_it_wrote_and_leaves_global_logging_alone(tmp_path, capsys):
+    import logging
+
+    from hw_agnostic import cli
+
+    root_handlers, root_level = list(logging.getLogger().handlers), logging.getLogger().level
+    assert cli.main(["autotune", "--device", "interpreter", "--ops", "rms_norm", "--tokens", "3", "--dtypes",
+                     "bfloat16", "--budget", "5", "--out", str(tmp_path), "--no-progress", "--log-level",
+                     "warning"]) == 0
+    assert logging.getLogger().handlers == root_handlers and logging.getLogger().level == root_level
+    out = capsys.readouterr().out
+    assert "rms_norm bfloat16 on triton_interpreter: " in out
+    written = tmp_path / "triton_interpreter" / "rms_norm.json"
+    assert f"wrote {written}" in out and " -> {" in out
+    assert not list(written.parent.glob("*.lock"))

@@ -241,15 +241,35 @@ def _target_default(kernel: TunableKernel, target: str, key: dict[str, KeyValue]
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    lock_path = path.with_name(path.name + ".lock")
-    with open(lock_path, "a") as handle:
-        try:
-            import fcntl
+    """Hold ``<file>.lock`` exclusively for a read-modify-write, and remove it afterwards.
 
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except ImportError:  # not POSIX: last writer wins
-            pass
+    The lock file is unlinked while held; a writer that opened it before the unlink finds, once
+    it holds the lock, that the path no longer names its file, and starts over with a new one.
+    """
+    lock_path = path.with_name(path.name + ".lock")
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: last writer wins
         yield
+        return
+    while True:
+        handle = open(lock_path, "a")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                same = os.stat(lock_path).st_ino == os.fstat(handle.fileno()).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                continue
+            try:
+                yield
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(lock_path)
+            return
+        finally:
+            handle.close()
 
 
 def _atomic_write(path: Path, text: str) -> None:

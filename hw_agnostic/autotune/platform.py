@@ -8,7 +8,9 @@ still be tuned and cached on site.
 
 from __future__ import annotations
 
+import platform as host
 import re
+from pathlib import Path
 
 import torch
 
@@ -87,6 +89,39 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
+def cpu_model() -> str:
+    """The CPU's marketing name (``/proc/cpuinfo`` on Linux), else what :mod:`platform` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return host.processor() or host.machine()
+
+
+def device_model(device: torch.device) -> str:
+    """What a person would call the device: ``NVIDIA H100 80GB HBM3``, ``AMD EPYC 9B45`` (for ``cpu``)."""
+    return cpu_model() if device.type == "cpu" else device_name(device)
+
+
+def largest_cache_bytes(device: torch.device) -> int | None:
+    """The device's largest cache (the CPU's last level, a GPU's L2), if it says."""
+    if device.type == "cuda":
+        return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None) or None
+    if device.type != "cpu":
+        return None
+    sizes = []
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes) if sizes else None
+
+
 def platform_of(device: torch.device | str) -> str:
     """Canonical platform of a device: ``nvidia_h100``, ``cpu``, ``triton_interpreter``, ..."""
     device = torch.device(device)
@@ -132,7 +167,17 @@ def detect_platform() -> str:
 
 
 class DeviceMismatch(RuntimeError):
-    """The device named on the command line is not the one this machine has."""
+    """The device named on the command line is not the one this machine has (or no device at all)."""
+
+
+def known_device_names() -> list[str]:
+    """What ``DEVICE=`` accepts besides this machine's own platform: ``auto``, ``cpu``, ``h100``, ..."""
+    short = [platform.split("_", 1)[1] for _, platform in PLATFORM_ALIASES]
+    return ["auto", *_SHORT_NAMES.keys() - {"triton_interpreter"}, *dict.fromkeys(short)]
+
+
+def _display_order(name: str) -> tuple[int, str]:
+    return (0 if name in ("auto", "cpu", "interpreter") else 1, name)
 
 
 def resolve_device(requested: str) -> tuple[torch.device, str]:
@@ -153,6 +198,12 @@ def resolve_device(requested: str) -> tuple[torch.device, str]:
     wanted = platform_from_cli(requested)
     if wanted == "triton_interpreter":
         return torch.device("cpu"), wanted
+    known = {platform for _, platform in PLATFORM_ALIASES} | set(_SHORT_NAMES.values())
+    if wanted != found and wanted not in known:
+        raise DeviceMismatch(
+            f"unknown device {requested!r}; known: {', '.join(sorted(known_device_names(), key=_display_order))}"
+            f" (or this machine's own platform, {found!r})"
+        )
     if wanted != found:
         raise DeviceMismatch(
             f"DEVICE={requested} means platform {wanted!r}, but this machine has {found!r}"

@@ -19,7 +19,7 @@ import logging
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sized
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +29,20 @@ from . import cache
 from .keys import key_string, make_key
 from .platform import device_name, platform_of
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)  # "hw_agnostic.autotune.tuner": the CLI's --log-level sets it
 
 Timer = Callable[[Callable[[], Any]], float]
+
+
+#: What happened to a key. Only "tuned" and "partial" wrote an entry.
+STATUSES = {
+    "tuned": "tuned",
+    "partial": "partially tuned (budget ran out during the key)",
+    "out-of-budget": "left on the default (budget spent)",
+    "kept": "kept (already tuned)",
+    "no-candidate": "no correct candidate",
+    "skipped": "skipped (no tunable provider here)",
+}
 
 
 @dataclasses.dataclass
@@ -41,7 +52,10 @@ class KeyResult:
     time_us: float | None
     tried: int
     rejected: dict[str, str]
-    status: str  # "tuned", "kept" (already in the file), "no-candidate", "out-of-budget", "skipped: ..."
+    status: str  # a key of STATUSES
+    candidates: int | None = None  # the size of the key's search space
+    path: Path | None = None  # the file the entry was written to
+    reason: str = ""  # for "skipped"
 
 
 def gpu_timer(fn: Callable[[], Any]) -> float:
@@ -117,12 +131,17 @@ def tune(
         provider = next((p for p in op.providers if p.kernel is not None and p.why_not(call_key) is None), None)
         if provider is None:
             reasons = "; ".join(f"{p.name}: {p.why_not(call_key)}" for p in op.providers if p.kernel is not None)
-            results.append(KeyResult({}, None, None, 0, {}, f"skipped: no tunable provider runs here ({reasons})"))
+            results.append(KeyResult({}, None, None, 0, {}, "skipped", reason=reasons))
             continue
         kernel = provider.kernel
         key = make_key(provider.tuning_key(call_key), call_key.tokens)
         if not retune and _already_tuned(kernel, platform, key, root):
             results.append(KeyResult(key, None, None, 0, {}, "kept"))
+            continue
+        candidates = kernel.candidate_configs(key)
+        total = len(candidates) if isinstance(candidates, Sized) else None
+        if time.monotonic() > deadline:
+            results.append(KeyResult(key, None, None, 0, {}, "out-of-budget", total))
             continue
         expected_args = tuple(_float64(a) for a in args)
         expected = _outputs(op, expected_args, op.reference(*expected_args))
@@ -130,8 +149,10 @@ def tune(
         best: tuple[float, dict[str, Any]] | None = None
         rejected: dict[str, str] = {}
         tried = 0
-        for config in kernel.candidate_configs(key):
+        ran_out = False
+        for config in candidates:
             if time.monotonic() > deadline and tried:
+                ran_out = True
                 break
             tried += 1
             label = key_string(config)
@@ -150,20 +171,32 @@ def tune(
             elapsed = timer(lambda: run(*timing_args))
             if best is None or elapsed < best[0]:
                 best = (elapsed, config)
+        of = f"{tried} of {total if total is not None else '?'} candidates"
         if best is None:
-            status = "no-candidate" if tried else "out-of-budget"
-            results.append(KeyResult(key, None, None, tried, rejected, status))
-            log.warning("hw_agnostic tuner: %s %s: %s (%d rejected)", op.name, key, status, len(rejected))
+            status = "out-of-budget" if ran_out else "no-candidate"
+            results.append(KeyResult(key, None, None, tried, rejected, status, total))
+            log.warning("%s %s: %s (%s tried, %d rejected)", op.name, key_string(key), STATUSES[status], of,
+                        len(rejected))
             continue
-        cache.save_entry(kernel, platform, key, best[1], time_us=best[0], root=root, tuned_with=tuned_with)
+        path = cache.save_entry(kernel, platform, key, best[1], time_us=best[0], root=root, tuned_with=tuned_with)
         winners[key_string(best[1])] += 1
-        results.append(KeyResult(key, best[1], best[0], tried, rejected, "tuned"))
+        status = "partial" if ran_out else "tuned"
+        results.append(KeyResult(key, best[1], best[0], tried, rejected, status, total, path))
+        log.info("%s %s: %s %.1f µs (%s, %d rejected)", op.name, key_string(key), key_string(best[1]), best[0], of,
+                 len(rejected))
         if time.monotonic() > deadline:
-            log.warning("hw_agnostic tuner: time budget spent after %s", key)
+            log.warning("%s: time budget spent after %s; the keys left keep their defaults", op.name, key_string(key))
     bar.close()
     if winners and kernel is not None:
         _set_default(kernel, platform, winners, root)
     return results
+
+
+def summary(results: list[KeyResult]) -> str:
+    """``tuned 4, partially tuned 1, left on the default 7, ...`` (every status that occurred)."""
+    counts = Counter(r.status for r in results)
+    parts = [f"{label} {counts[status]}" for status, label in STATUSES.items() if counts[status]]
+    return f"{len(results)} keys: " + (", ".join(parts) if parts else "none")
 
 
 def _already_tuned(kernel: Any, platform: str, key: Mapping[str, Any], root: Path | None) -> bool:

@@ -154,6 +154,87 @@ def paged_attention_reference(
     return out.to(q.dtype)
 
 
+class _ReferenceAttention:
+    """Each sequence's pages gathered in fp32 into SDPA, decode steps batched; softcap, sinks, fp64 eager.
+
+    What the reference provider runs: the reference's math (fp32 logits, softmax and
+    accumulation of the upcast inputs, as the reference does) through PyTorch's
+    ``scaled_dot_product_attention`` (on the CPU its flash kernel: blocked, multi-threaded, no
+    ``[heads, q_len, kv_len]`` logits tensor) instead of the reference's einsums and per-sequence
+    loop. Decode sequences with the same number of keys run as one batch, in chunks whose
+    gathered pages stay below :attr:`MAX_GATHER_BYTES` (a larger fresh buffer costs page faults
+    on every call). Softcap and sinks, which SDPA cannot express, fp64, and batches with queries
+    that see no key run the reference itself.
+    """
+
+    MAX_GATHER_BYTES = 16 << 20
+
+    def __init__(self, op_name: str, reference: Any) -> None:
+        self.reference = reference
+
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
+                 kv_lens: Tensor, scale: float, sliding_window: Optional[int], softcap: Optional[float],
+                 sinks: Optional[Tensor], max_q_len: Optional[int], max_kv_len: Optional[int]) -> Tensor:
+        args = (q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, scale, sliding_window, softcap, sinks,
+                max_q_len, max_kv_len)
+        if softcap is not None or sinks is not None or q.dtype == torch.float64:
+            return self.reference(*args)
+        validate_paged_attention_inputs(q, k_cache, block_table, cu_seqlens_q, kv_lens)
+        bounds, lengths = cu_seqlens_q.tolist(), kv_lens.tolist()
+        spans = [(bounds[s], bounds[s + 1], n) for s, n in enumerate(lengths)]
+        if any(end - start > n for start, end, n in spans):  # queries that see no key: the reference's zeros
+            return self.reference(*args)
+        out = torch.zeros_like(q)
+        block_size = k_cache.shape[1]
+        decode: dict[int, list[int]] = {}
+        for seq, (start, end, kv_len) in enumerate(spans):
+            if end - start == 1:
+                decode.setdefault(kv_len, []).append(seq)
+            elif end > start:
+                blocks = block_table[seq: seq + 1, : -(-kv_len // block_size)]
+                out[start:end] = self._attend(q[None, start:end], k_cache, v_cache, blocks, kv_len, scale,
+                                              sliding_window)[0]
+        row_bytes = k_cache.shape[2] * k_cache.shape[3] * 4
+        for kv_len, seqs in decode.items():
+            chunk = max(1, self.MAX_GATHER_BYTES // max(kv_len * row_bytes, 1))
+            for first in range(0, len(seqs), chunk):
+                index = torch.tensor(seqs[first:first + chunk], device=q.device)
+                rows = cu_seqlens_q[index].long()
+                blocks = block_table[index, : -(-kv_len // block_size)]
+                out[rows] = self._attend(q[rows][:, None], k_cache, v_cache, blocks, kv_len, scale,
+                                         sliding_window)[:, 0]
+        return out
+
+    @staticmethod
+    def _attend(queries: Tensor, k_cache: Tensor, v_cache: Tensor, blocks: Tensor, kv_len: int, scale: float,
+                sliding_window: Optional[int]) -> Tensor:
+        """``[b, q_len, Hq, D]`` attention of right-aligned ``queries`` over ``blocks`` ``[b, n]``."""
+        compute = torch.promote_types(queries.dtype, torch.float32)
+        q_len = queries.shape[1]
+        first = 0
+        if q_len == 1 and sliding_window is not None:  # one query sees the window's last keys: no mask needed
+            first = max(0, kv_len - sliding_window)
+
+        def pages(cache: Tensor) -> Tensor:  # [b, Hkv, keys, D]; index_select copies whole blocks
+            gathered = cache.index_select(0, blocks.reshape(-1)).view(*blocks.shape, *cache.shape[1:])
+            return gathered.flatten(1, 2)[:, first:kv_len].to(compute).transpose(1, 2)
+
+        mask, causal = None, False
+        if q_len > 1:
+            if sliding_window is None and q_len == kv_len:
+                causal = True
+            else:
+                positions = torch.arange(kv_len - q_len, kv_len, device=queries.device)[:, None]
+                index = torch.arange(kv_len, device=queries.device)[None, :]
+                mask = index <= positions
+                if sliding_window is not None:
+                    mask &= index > positions - sliding_window
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            queries.to(compute).transpose(1, 2), pages(k_cache), pages(v_cache), attn_mask=mask, is_causal=causal,
+            scale=scale, enable_gqa=True)
+        return attended.transpose(1, 2).to(queries.dtype)
+
+
 def _paged_attention_shape(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor, kv_lens: Tensor,
     scale: float, sliding_window: Optional[int], softcap: Optional[float], sinks: Optional[Tensor],
@@ -421,7 +502,7 @@ paged_attention_op = Op(
         "helion", _build_attention, interpreters=frozenset({"triton", "helion"}), accepts=_attention_accepts,
         kernel=kernels.PAGED_ATTENTION, tuning_key=_attention_tuning_key, available=helion_available,
     )],
-    example_inputs=_example_attention, compiled_reference=EagerReference, fake=_paged_attention_shape,
+    example_inputs=_example_attention, compiled_reference=_ReferenceAttention, fake=_paged_attention_shape,
 )
 
 

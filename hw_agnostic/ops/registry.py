@@ -26,9 +26,9 @@ provider that cannot run a call raises :class:`ProviderError` saying why. Which 
 why the others were skipped: :meth:`Op.plan`, :func:`trace_dispatch`, and a DEBUG log line on
 the ``hw_agnostic.ops`` logger each time a plan is made.
 
-On the reference path the reference runs under ``torch.compile`` (once per key, dynamic in the
-token count), falling back to eager if compiling fails; ``HW_AGNOSTIC_COMPILE_REFERENCE=0``
-disables compiling.
+On the reference path the reference runs compiled or in an allocation-lean form with the same
+results (the op's ``compiled_reference`` factory; see :mod:`.compiled_reference`), falling back
+to eager if compiling fails; ``HW_AGNOSTIC_COMPILE_REFERENCE=0`` runs the plain reference.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import dataclasses
 import inspect
 import logging
 import os
-import types
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -52,12 +52,14 @@ from ..autotune.platform import compile_target, platform_of
 from ..kernels import targets
 from ..kernels.interpret import interpreter_mode
 from ..kernels.runtime import KernelSpec
+from .compiled_reference import CompiledReference
 
 log = logging.getLogger("hw_agnostic.ops")
 
 PROVIDER_ENV = "HW_AGNOSTIC_PROVIDER"
 COMPILE_ENV = "HW_AGNOSTIC_COMPILE_REFERENCE"
 GPU_DEVICES = frozenset({"cuda", "xpu"})
+CHECKED_SIGNATURES = 512  # per op; decode steps with changing lengths must not grow it without bound
 #: Devices whose calls a Triton-generating provider takes in compile-for-target mode.
 TARGET_MODE_DEVICES = frozenset({"cpu", "meta"})
 
@@ -143,6 +145,7 @@ _ops: dict[str, Op] = {}
 _tracers: list[list[Plan]] = []
 _forced_in_code: dict[str | None, str] = {}
 _config_overrides: dict[str, dict[str, Any]] = {}
+_ignored_overrides: set[tuple[str, str]] = set()  # (op, config) pairs already warned about
 
 
 class Op:
@@ -171,7 +174,8 @@ class Op:
         self.mutates_args = tuple(mutates_args)
         self.example_inputs = example_inputs
         # What the reference provider runs when compiling is on: a factory given the op's name
-        # and reference, called once per key (for ops whose reference Inductor cannot compile as is).
+        # and reference, called once per key (for ops whose reference Inductor cannot compile as
+        # is, or that run faster another way with the reference's results).
         self.compiled_reference = compiled_reference or CompiledReference
         # The fake implementation: the reference itself unless its output shapes depend on data.
         self.fake = fake or reference
@@ -181,6 +185,7 @@ class Op:
         self._mutated_positions = tuple(names.index(name) for name in self.mutates_args)
         self.providers: tuple[Provider, ...] = (*providers, _reference_provider(self))
         self._plans: dict[Any, Plan] = {}
+        self._checked: dict[tuple[Any, ...], Plan] = {}  # call signature -> plan, see dispatch
         # Plans of calls made inside another op under that op's forcing (see run_inside).
         self._inherited_plans: dict[tuple[str, Any], Plan] = {}
         self.torch_op = self._register_custom_op()
@@ -231,12 +236,27 @@ class Op:
         return self.dispatch(*args)
 
     def dispatch(self, *args: Any) -> Any:
-        """Run the call on the chosen provider (eager, no custom-op dispatcher in between)."""
-        self.check(*args)
-        key = self.key(*args)
-        plan = self._plans.get(key)
+        """Run the call on the chosen provider (eager, no custom-op dispatcher in between).
+
+        ``check`` and ``key`` read only metadata, so their verdict for one set of shapes,
+        strides, dtypes, devices and scalar values (and storages, for in-place ops) is kept:
+        a repeated call costs one lookup of that signature instead of both.
+        """
+        try:
+            signature = _signature(args, bool(self.mutates_args))
+            plan = self._checked.get(signature)
+        except TypeError:  # an unhashable argument: no shortcut
+            signature, plan = None, None
         if plan is None:
-            plan = self._make_plan(key, args)
+            self.check(*args)
+            key = self.key(*args)
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._make_plan(key, args)
+            if signature is not None:
+                if len(self._checked) >= CHECKED_SIGNATURES:
+                    self._checked.clear()
+                self._checked[signature] = plan
         plan.calls += 1
         if _tracers:
             for record in _tracers:
@@ -277,6 +297,7 @@ class Op:
 
     def reset(self) -> None:
         self._plans.clear()
+        self._checked.clear()
         self._inherited_plans.clear()
 
     def _make_plan(self, key: Any, args: tuple[Any, ...], inherited: tuple[str, str] | None = None) -> Plan:
@@ -293,6 +314,7 @@ class Op:
                 continue
             reason = provider.why_not(key)
             if reason is None:
+                _check_override(self, provider, key, skipped)
                 note = None
                 if provider.compiles_for_targets(key):
                     built, note = self._build_for_targets(provider, key, args, skipped)
@@ -391,6 +413,58 @@ class Op:
         )
 
 
+def _config_fields(op: Op, key: Any) -> tuple[set[str], set[str]]:
+    """The config fields ``op``'s kernels use for calls with ``key``, and Helion's other settings."""
+    fields: set[str] = set()
+    for provider in op.providers:
+        if provider.kernel is None or provider.tuning_key is None:
+            continue
+        tuning_key = make_key(provider.tuning_key(key), key.tokens)
+        for config in (provider.kernel.default_config(tuning_key), *provider.kernel.candidate_configs(tuning_key)):
+            fields.update(config)
+    helion = sys.modules.get("helion")  # Helion's own settings are valid too (not imported just to ask)
+    settings: set[str] = set()
+    if fields and helion is not None:
+        settings = {name for name, p in inspect.signature(helion.Config.__init__).parameters.items()
+                    if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    return fields, settings
+
+
+def _check_override(op: Op, provider: Provider, key: Any, skipped: dict[str, str]) -> None:
+    """A :func:`use_config` override with a field no kernel takes is an error; one nothing uses, a warning."""
+    override = _config_overrides.get(_family(op.name))
+    if override is None:
+        return
+    fields, settings = _config_fields(op, key)
+    unknown = sorted(set(override) - fields - settings)
+    if fields and unknown:
+        raise ValueError(f"use_config({op.name}, ...): unknown config field(s) {', '.join(map(repr, unknown))}; "
+                         f"{op.name}'s kernels take {', '.join(sorted(fields))}"
+                         + (" (or any other helion.Config setting)" if settings else ""))
+    if provider.kernel is None:
+        marker = (op.name, repr(sorted(override.items())))
+        if marker not in _ignored_overrides:
+            _ignored_overrides.add(marker)
+            why = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
+            log.warning("hw_agnostic: use_config(%s, %s) has no effect here: %s runs the %s provider, which takes "
+                        "no config%s", op.name, override, op.name, provider.name, f" ({why})" if why else "")
+
+
+def _signature(args: tuple[Any, ...], storages: bool) -> tuple[Any, ...]:
+    """What ``check`` and ``key`` read of the arguments (the metadata, never the data)."""
+    parts: list[Any] = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            if storages:  # the in-place checks compare buffers
+                parts.append((arg.shape, arg.stride(), arg.dtype, arg.device, arg.untyped_storage().data_ptr(),
+                              arg.storage_offset()))
+            else:
+                parts.append((arg.shape, arg.stride(), arg.dtype, arg.device))
+        else:
+            parts.append((type(arg), arg))  # 1, 1.0 and True are equal, but not the same argument
+    return tuple(parts)
+
+
 def _register_reference_backward(custom: Any, reference: Callable[..., Any]) -> None:
     """The op's backward is the vector-Jacobian product of its reference, recomputed from the inputs.
 
@@ -447,40 +521,16 @@ def compile_reference_enabled() -> bool:
     return os.environ.get(COMPILE_ENV, "1").lower() not in ("0", "false", "no", "off")
 
 
-class CompiledReference:
-    """The reference under ``torch.compile``; eager from the first compile failure on."""
-
-    def __init__(self, op_name: str, reference: Callable[..., Any]) -> None:
-        self.op_name = op_name
-        self.reference = reference
-        # Dynamo keeps compiled code, and its recompile budget, on the code object: a copy per
-        # key keeps each key's specialisations from crowding out the others'.
-        private = types.FunctionType(reference.__code__.replace(), reference.__globals__, reference.__name__,
-                                     reference.__defaults__, reference.__closure__)
-        # Inductor computes a fused bf16/fp16 expression in fp32 and rounds once unless told to
-        # round where the code casts; the reference's casts are the spec (HF's roundings).
-        self.compiled: Callable[..., Any] | None = torch.compile(
-            private, dynamic=None, fullgraph=True, options={"emulate_precision_casts": True})
-
-    def __call__(self, *args: Any) -> Any:
-        if self.compiled is not None:
-            try:
-                return self.compiled(*args)
-            except Exception as err:  # no C++ compiler, an Inductor bug, ...
-                self.compiled = None
-                log.warning("hw_agnostic: %s: compiling the reference failed (%s: %s); running it eagerly",
-                            self.op_name, type(err).__name__, err)
-        return self.reference(*args)
-
-
 def _reference_provider(op: Op) -> Provider:
     compiled: dict[Any, Callable[..., Any]] = {}
 
     def build(key: Any, config: dict[str, Any] | None, args: tuple[Any, ...]) -> Callable[..., Any]:
         if not compile_reference_enabled() or key.device not in ("cpu", "cuda"):
             return op.reference
-        # One compiled function per key up to the token count, which dynamo keeps dynamic.
-        specialisation = key._replace(tokens=None)
+        # On the CPU one compiled reference per op: it traces one graph per dtypes, ranks and
+        # scalar arguments, every size symbolic. Elsewhere one per key up to the token count,
+        # which dynamo keeps dynamic.
+        specialisation = "cpu" if key.device == "cpu" else key._replace(tokens=None)
         if specialisation not in compiled:
             compiled[specialisation] = op.compiled_reference(op.name, op.reference)
         return compiled[specialisation]
@@ -527,6 +577,7 @@ def forced_provider(op_name: str) -> tuple[str, str] | None:
 
 def reset() -> None:
     """Drop every cached plan (forcing, configs and environment are re-read on the next call)."""
+    _ignored_overrides.clear()
     for op in _ops.values():
         op.reset()
 

@@ -32,7 +32,8 @@ from ..autotune.keys import token_bucket
 from ..kernels import rms_norm as kernels
 from ..kernels.runtime import helion_available
 from . import checks
-from .registry import CompiledReference, Op, Provider
+from .compiled_reference import CompiledReference, lean_compiled_reference
+from .registry import Op, Provider
 
 NUMERICS = kernels.NUMERICS
 MAX_KERNEL_HIDDEN = 65536
@@ -79,16 +80,19 @@ def _normalise_into(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: 
 
 
 class _CompiledInplace:
-    """The in-place reference as the reference provider runs it when compiling.
+    """The residual added in place, then the norm compiled (lean path).
 
-    Inductor (torch 2.13) fails on a reduction over an input the same graph mutates (``KeyError:
-    'buf1'``), so the residual is added in place eagerly and only the norm, which reads
-    ``residual`` and writes ``x``, is compiled. Same result as the reference: ``residual + x``
-    rounds the same in place.
+    The in-place reference as the reference provider runs it when compiling. Inductor (torch
+    2.13) fails on a reduction over an input the same graph mutates (``KeyError: 'buf1'``), so
+    the residual is added in place eagerly and only the norm, which reads ``residual`` and
+    writes ``x``, is compiled. Same result as the reference: ``residual + x`` rounds the same in
+    place. (Splitting large calls into cache-sized row blocks was measured slower on the shared
+    2-core machine: every block adds two OpenMP regions, and a region waits for a scheduler
+    quantum whenever the other core is busy.)
     """
 
     def __init__(self, op_name: str, reference: object) -> None:
-        self.normalise_into = CompiledReference(op_name, _normalise_into)
+        self.normalise_into = CompiledReference(op_name, _normalise_into, lean=True)
 
     def __call__(self, x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> None:
         residual.add_(x)
@@ -301,12 +305,13 @@ def _example_fused(tokens: int, hidden: int, dtype: torch.dtype, device: str) ->
 
 rms_norm_op = Op(
     "rms_norm", rms_norm_reference, check=check_rms_norm, key=rms_norm_key,
-    providers=[_helion(_build_rms_norm, kernels.RMS_NORM)], example_inputs=_example_rms_norm, differentiable=True,
+    providers=[_helion(_build_rms_norm, kernels.RMS_NORM)], example_inputs=_example_rms_norm,
+    compiled_reference=lean_compiled_reference, differentiable=True,
 )
 fused_add_rms_norm_op = Op(
     "fused_add_rms_norm", fused_add_rms_norm_reference, check=check_fused_add_rms_norm, key=fused_add_rms_norm_key,
     providers=[_helion(lambda k, c, a: _build_fused(k, c, a, inplace=False), kernels.FUSED_ADD_RMS_NORM)],
-    example_inputs=_example_fused, differentiable=True,
+    example_inputs=_example_fused, compiled_reference=lean_compiled_reference, differentiable=True,
 )
 fused_add_rms_norm_inplace_op = Op(
     "fused_add_rms_norm_", fused_add_rms_norm_inplace_reference, check=check_fused_add_rms_norm_inplace,

@@ -1,0 +1,180 @@
+"""The reference, compiled: what the reference provider runs when compiling is on.
+
+By default the reference runs under ``torch.compile`` (Dynamo checks its guards on every call,
+so any reference compiles correctly). Ops whose references are written to work for any sizes,
+and whose tests check that on many shapes, opt into the lean path (``lean=True``):
+
+On the CPU the reference is traced once per specialisation with ``make_fx`` (every size
+symbolic, so one graph serves every token count), compiled by Inductor into C++ with
+``emulate_precision_casts`` (each rounding the eager reference does to the input dtype is done
+too, so the compiled reference computes what the reference computes), and called straight
+through the ``call`` function Inductor generates. ``torch.compile`` would put Dynamo's guards
+and AOTAutograd's wrappers in front of every call: about 8 µs, more than a decode-size norm
+takes. Calls of up to 64K elements run a single-threaded compile: an OpenMP region costs
+microseconds on an idle machine and a scheduler quantum (milliseconds) on a loaded one, and a
+decode-size row has nothing to share.
+
+The lean path checks no guards at run time, so a reference whose trace specialises on a size
+(a Python ``int()`` of one, a branch on one) would silently compute garbage for other sizes:
+hence opting in. What this path cannot take runs elsewhere: tensors that are not contiguous (the compiled code
+assumes the layout it traced) and other devices go to ``torch.compile`` of the reference, empty
+tensors and anything that fails to compile run the reference eagerly (with one warning).
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger("hw_agnostic.ops")
+
+#: Calls whose first tensor has up to this many elements run a single-threaded compile on the CPU
+#: (16 rows of 4096: a few microseconds of work, less than an OpenMP region's start and join).
+SINGLE_THREAD_ELEMENTS = 1 << 16
+
+
+class _Constant:
+    """Marks a non-tensor argument in a specialisation key."""
+
+
+_CONSTANT = _Constant()
+
+
+class CompiledReference:
+    """The reference under torch.compile, or the lean path (see the module docstring); eager on failure."""
+
+    def __init__(self, op_name: str, reference: Callable[..., Any], *, lean: bool = False) -> None:
+        self.op_name = op_name
+        self.reference = reference
+        self.use_lean = lean
+        self.lean: dict[tuple[Any, ...], _LeanGraph | None] = {}
+        self._dynamo: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        self.failed = False
+
+    def __call__(self, *args: Any) -> Any:
+        if self.failed:
+            return self.reference(*args)
+        contiguous, elements = True, None
+        signature = tuple((a.dtype, a.dim()) if isinstance(a, torch.Tensor) else (_CONSTANT, a) for a in args)
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                if not arg.is_cpu or not arg.is_contiguous():
+                    contiguous = False
+                    break
+                if arg.numel() == 0:
+                    return self.reference(*args)
+                if elements is None:
+                    elements = arg.numel()
+        if contiguous and self.use_lean:
+            small = elements is not None and elements <= SINGLE_THREAD_ELEMENTS
+            graph = self.lean.get((small, signature), _MISSING)
+            if graph is _MISSING:
+                graph = self.lean[(small, signature)] = self._compile_lean(args, 1 if small else None)
+            if graph is not None:
+                try:
+                    return graph(args)
+                except AssertionError:  # a layout the graph was not traced for (Inductor checks strides)
+                    pass
+        return self._compiled(signature, args)
+
+    def _compile_lean(self, args: tuple[Any, ...], threads: int | None) -> _LeanGraph | None:
+        try:
+            return _LeanGraph(self.reference, args, threads)
+        except Exception as err:  # an Inductor that lacks these entry points, no C++ compiler, ...
+            log.info("hw_agnostic: %s: the lean compile failed (%s: %s); using torch.compile", self.op_name,
+                     type(err).__name__, err)
+            return None
+
+    def _compiled(self, signature: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
+        try:
+            compiled = self._dynamo.get(signature)
+            if compiled is None:
+                # Dynamo keeps compiled code, and its recompile budget, on the code object: a copy
+                # per specialisation keeps each one's recompiles from crowding out the others'.
+                private = types.FunctionType(self.reference.__code__.replace(), self.reference.__globals__,
+                                             self.reference.__name__, self.reference.__defaults__,
+                                             self.reference.__closure__)
+                compiled = self._dynamo[signature] = torch.compile(
+                    private, dynamic=None, fullgraph=True, options={"emulate_precision_casts": True})
+            return compiled(*args)
+        except Exception as err:  # no C++ compiler, an Inductor bug, ...
+            self.failed = True
+            log.warning("hw_agnostic: %s: compiling the reference failed (%s: %s); running it eagerly",
+                        self.op_name, type(err).__name__, err)
+        return self.reference(*args)
+
+
+_MISSING: Any = object()
+
+
+def lean_compiled_reference(op_name: str, reference: Callable[..., Any]) -> CompiledReference:
+    """Traced once, compiled by Inductor, called without Dynamo (strided inputs: torch.compile)."""
+    return CompiledReference(op_name, reference, lean=True)
+
+
+class _LeanGraph:
+    """One traced and compiled specialisation of a reference, called through Inductor's ``call``."""
+
+    def __init__(self, reference: Callable[..., Any], args: tuple[Any, ...], threads: int | None) -> None:
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx_inner
+        from torch._inductor.decomposition import select_decomp_table
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        constants = list(args)
+        returned: list[str] = []
+
+        def graph(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            full = list(constants)
+            for position, tensor in zip(positions, tensors):
+                full[position] = tensor
+            result = reference(*full)
+            if result is None:
+                returned.append("none")
+                return ()
+            if isinstance(result, torch.Tensor):
+                returned.append("tensor")
+                return (result,)
+            returned.append("tuple")
+            return tuple(result)
+
+        from torch.fx.experimental import _config as shape_config
+
+        examples = _examples([args[i] for i in positions])
+        with shape_config.patch(use_duck_shape=False):  # equal sizes are not assumed to stay equal
+            traced = make_fx(graph, decomposition_table=select_decomp_table(), tracing_mode="symbolic")(*examples)
+        fakes = [node.meta["val"] for node in traced.graph.find_nodes(op="placeholder")]
+        options: dict[str, Any] = {"emulate_precision_casts": True}
+        if threads is not None:
+            options["cpp.threads"] = threads
+        with inductor_config.patch(options):
+            compiled = compile_fx_inner(traced, fakes)
+        self.call = compiled.current_callable
+        self.threads = threads
+        self.positions = positions
+        self.returned = returned[0]
+        graph_inputs = len(fakes)
+        if graph_inputs != len(positions):
+            raise RuntimeError(f"traced {graph_inputs} inputs for {len(positions)} tensor arguments")
+
+    def __call__(self, args: tuple[Any, ...]) -> Any:
+        results = self.call([args[i] for i in self.positions])
+        if self.returned == "tensor":
+            return results[0]
+        if self.returned == "tuple":
+            return tuple(results)
+        return None
+
+
+def _examples(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tracing inputs shaped like ``tensors`` but with no size 0 or 1.
+
+    Symbolic tracing specialises sizes 0 and 1: a graph traced on one token would serve only
+    one token. Sizes that must match (x's hidden and weight's) are tied by the trace itself.
+    """
+    return [torch.zeros([max(size, 2) for size in t.shape], dtype=t.dtype, device=t.device) for t in tensors]

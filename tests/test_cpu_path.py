@@ -1,0 +1,214 @@
+"""The CPU path: what the reference provider runs when compiling is on (the default on a CPU).
+
+It must compute what the reference computes: on the reference-vs-float64 harness cases of
+every op (odd sizes, strides, zero rows, in-place contracts, poisoned allocations), and
+bit for bit where the spec is element-wise. Speed is the bench's business (``make bench``).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from hw_agnostic import ops
+from hw_agnostic.kernels.interpret import interpreter_mode
+from hw_agnostic.ops import compiled_reference, registry
+from tests.harness import Case, check_provider
+from tests.ops import test_activations as activation_tests
+from tests.ops import test_paged_attention as attention_tests
+from tests.ops import test_rms_norm as norm_tests
+
+activations = importlib.import_module("hw_agnostic.ops.activations")
+rms_norm = importlib.import_module("hw_agnostic.ops.rms_norm")
+
+pytestmark = pytest.mark.skipif(interpreter_mode() is not None, reason="the plain CPU path (no interpreter)")
+
+
+@pytest.fixture(autouse=True)
+def _compiling(monkeypatch):
+    monkeypatch.setenv(registry.COMPILE_ENV, "1")
+    ops.reset()
+
+
+def _without_config(case: Case) -> Case:
+    return Case(case.id, case.make)  # launch configs are the kernels'; the reference takes none
+
+
+# One case per dtype x numerics, plus strides, leading dims, zero rows and a wide row: each new
+# (dtypes, ranks, scalars) combination compiles once (~2 s), so not the whole kernel grid.
+NORM_CASES = [c for c in norm_tests.RMS_CASES if c.config is None and ("-37-" in f"-{c.id}" or "7x37" in c.id
+              or any(tag in c.id for tag in ("padded", "inner_stride", "permuted", "0x64", "2x3x48", "wfloat32")))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", NORM_CASES, ids=repr)
+def test_rms_norm(case):
+    check_provider(rms_norm.rms_norm_op, "reference", _without_config(case), "cpu")
+
+
+FUSED_NORM_CASES = [c for c in norm_tests.FUSED_CASES if c.config is None and (
+    "7x37-bfloat16" in c.id or "7x37-float32-llama" in c.id or "padded" in c.id or "0x64" in c.id)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("case", FUSED_NORM_CASES, ids=repr)
+def test_fused_add_rms_norm(case, inplace):
+    op = rms_norm.fused_add_rms_norm_inplace_op if inplace else rms_norm.fused_add_rms_norm_op
+    check_provider(op, "reference", _without_config(case), "cpu")
+
+
+@pytest.mark.slow
+def test_norms_run_one_compiled_graph_per_specialisation_called_without_dynamo(monkeypatch):
+    """Token counts and hidden sizes share a graph; small calls (up to 64K elements) have their own
+    single-threaded one."""
+
+    def no_dynamo(*args):
+        raise AssertionError("a contiguous call went through torch.compile")
+
+    monkeypatch.setattr(compiled_reference.CompiledReference, "_compiled", no_dynamo)
+    weight = torch.randn(256, dtype=torch.bfloat16)
+    for tokens in (1, 3, 16, 40, 300):  # up to 256 rows of 256 single-threaded, 300 rows not
+        x = torch.randn(tokens, 256, dtype=torch.bfloat16)
+        with ops.trace_dispatch() as ran:
+            got = ops.rms_norm(x, weight)
+        torch.testing.assert_close(got, rms_norm.rms_norm_reference(x, weight, 1e-6, "llama"), rtol=1.6e-2, atol=1e-2)
+    compiled = ran[0].run
+    assert isinstance(compiled, compiled_reference.CompiledReference)
+    ours = ((torch.bfloat16, 2), (torch.bfloat16, 1), (compiled_reference._CONSTANT, 1e-6),
+            (compiled_reference._CONSTANT, "llama"))
+    graphs = {small: graph for (small, signature), graph in compiled.lean.items() if signature == ours}
+    assert set(graphs) == {False, True}
+    assert all(isinstance(g, compiled_reference._LeanGraph) for g in graphs.values())
+    assert (graphs[True].threads, graphs[False].threads) == (1, None)
+    before = len(compiled.lean)
+    ops.rms_norm(torch.randn(5, 96, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16))
+    assert len(compiled.lean) == before  # another hidden size: the same graph
+
+
+ACTIVATION_CASES = activation_tests.CASES
+
+
+@pytest.mark.parametrize("activation,case", ACTIVATION_CASES, ids=lambda v: v if isinstance(v, str) else repr(v))
+def test_activations(activation, case):
+    check_provider(activation_tests.OPS[activation], "reference", _without_config(case), "cpu")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@pytest.mark.parametrize("activation,case", ACTIVATION_CASES, ids=lambda v: v if isinstance(v, str) else repr(v))
+def test_activations_are_bit_identical_to_the_reference(activation, case):
+    op = activation_tests.OPS[activation]
+    args = case.make()
+    args[0].view(-1)[:: 7].fill_(float("nan")) if args[0].is_contiguous() and args[0].numel() else None
+    lean = activations._LEAN[op.name]
+    got, want = lean(*args), op.reference(*args)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(_bits(got), _bits(want)) or torch.equal(got.isnan(), want.isnan()) and torch.equal(
+        torch.nan_to_num(got), torch.nan_to_num(want))
+
+
+@pytest.mark.parametrize("case", attention_tests.ATTENTION_CASES, ids=repr)
+def test_paged_attention(case):
+    check_provider(importlib.import_module("hw_agnostic.ops.paged_attention").paged_attention_op, "reference",
+                   _without_config(case), "cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# the dispatch shortcut
+
+
+def test_a_repeated_call_skips_check_and_key(monkeypatch):
+    op = ops.get_op("silu_and_mul")
+    calls = []
+    original = op.check
+    monkeypatch.setattr(op, "check", lambda *a: calls.append(1) or original(*a))
+    x = torch.randn(3, 16)
+    for _ in range(3):
+        ops.silu_and_mul(x)
+    ops.silu_and_mul(torch.randn(3, 16))  # same metadata, other data: still no check
+    assert len(calls) == 1
+    ops.silu_and_mul(torch.randn(3, 16, dtype=torch.bfloat16))
+    ops.silu_and_mul(torch.randn(3, 32)[:, :16])  # another stride
+    assert len(calls) == 3
+    with pytest.raises(ValueError, match="must be even"):
+        ops.silu_and_mul(torch.randn(3, 15))  # a bad call is checked, and never remembered
+
+
+def test_the_shortcut_still_sees_overlapping_inplace_buffers():
+    weight = torch.ones(8)
+    x, residual = torch.randn(4, 8), torch.randn(4, 8)
+    ops.fused_add_rms_norm(x, residual, weight, inplace=True)
+    buffer = torch.randn(8, 8)
+    with pytest.raises(ValueError, match="share memory"):
+        ops.fused_add_rms_norm(buffer[0:4], buffer[2:6], weight, inplace=True)
+
+
+def test_scalars_of_another_type_are_another_signature():
+    x = torch.randn(2, 8)
+    ops.rms_norm(x, None, 1e-6)
+    with pytest.raises(TypeError, match="eps must be a float"):
+        ops.rms_norm(x, None, True)
+
+
+def _moe_cases():
+    from tests.ops import test_fused_experts, test_grouped_gemm, test_moe_align, test_moe_route, test_write_kv_cache
+
+    op = importlib.import_module
+    return ([(op("hw_agnostic.ops.moe_route").moe_route_op, c) for c in test_moe_route.ROUTE_CASES]
+            + [(op("hw_agnostic.ops.moe_align").moe_align_op, c) for c in test_moe_align.ALIGN_CASES]
+            + [(op("hw_agnostic.ops.grouped_gemm").grouped_gemm_op, c) for c in test_grouped_gemm.GEMM_CASES]
+            + [(op("hw_agnostic.ops.fused_experts").fused_experts_op, c) for c in test_fused_experts.FUSED_CASES]
+            + [(op("hw_agnostic.ops.write_kv_cache").write_kv_cache_op, c) for c in test_write_kv_cache.WRITE_CASES])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op,case", _moe_cases(), ids=lambda v: v.name if hasattr(v, "name") else repr(v))
+def test_moe_and_cache_ops(op, case, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="hw_agnostic.ops"):
+        check_provider(op, "reference", _without_config(case), "cpu")
+    assert not [r for r in caplog.records if "running it eagerly" in r.getMessage()]
+
+
+def test_softmax_routing_is_bit_identical_to_the_reference():
+    route = importlib.import_module("hw_agnostic.ops.moe_route")
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        for tokens, experts, top_k in ((1, 128, 8), (16, 8, 2), (37, 60, 4)):
+            logits = (3 * torch.randn(tokens, experts, generator=g)).to(dtype)
+            for renormalize, factor in ((True, 1.0), (False, 2.5)):
+                args = (logits, None, top_k, "softmax", renormalize, 1, 1, factor)
+                (w1, i1), (w2, i2) = route._moe_route_lean(*args), route.moe_route_reference(*args)
+                assert torch.equal(w1, w2) and torch.equal(i1, i2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_a_rewired_model_on_the_cpu_path_matches_hf(family):
+    """What a user gets by default: the rewired model's logits and greedy tokens, compiled norms,
+    lean activations and batched attention included (qwen3 norms strided q/k heads, gemma2 has a
+    window and a softcap)."""
+    import copy
+
+    from hw_agnostic import rewire
+    from tests.backend.models import build, prompt
+
+    model = build(family)
+    reference = copy.deepcopy(model)
+    rewire(model)
+    ids = prompt()
+    with torch.no_grad(), ops.trace_dispatch() as ran:
+        got = model(ids).logits
+    want = reference(ids).logits
+    assert (got - want).norm() / want.norm() <= 1e-5
+    assert {"rms_norm", "paged_attention"} <= {p.op for p in ran}
+    with torch.no_grad():
+        tokens = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        expected = reference.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert torch.equal(tokens, expected)
