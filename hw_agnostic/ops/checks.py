@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..kernels.runtime import INT32_MAX
 
@@ -108,18 +109,19 @@ def kernel_dtype_problem(what: str, *dtypes: torch.dtype | None) -> str | None:
     return None
 
 
-def rows_collapse(x: torch.Tensor) -> bool:
-    """Whether ``x`` views as ``[rows, x.shape[-1]]`` with one row stride (``x.view(-1, n)``)."""
-    if x.dim() <= 2 or x.is_contiguous():
+def rows_collapse(x: torch.Tensor, kept: int = 1) -> bool:
+    """Whether ``x`` views as ``[rows, *x.shape[-kept:]]`` with one row stride (``x.view(-1, n)`` for
+    ``kept=1``, ``x.view(-1, heads, n)`` for ``kept=2``)."""
+    if x.dim() <= kept + 1 or x.is_contiguous():
         return True
     sizes, strides = x.shape, x.stride()
-    for i in range(x.dim() - 2):
+    for i in range(x.dim() - kept - 1):
         if sizes[i] != 1 and sizes[i + 1] != 1 and strides[i] != strides[i + 1] * sizes[i + 1]:
             return False
     # size-1 dims in the middle make the rule above skip a pair; let view decide those.
-    if 1 in sizes[:-1] and x.dim() > 2:
+    if 1 in sizes[:-kept]:
         try:
-            x.view(-1, sizes[-1])
+            x.view(-1, *sizes[-kept:])
         except RuntimeError:
             return False
     return True
@@ -143,3 +145,72 @@ def needs_int64(*tensors: torch.Tensor | None) -> bool:
         if span > INT32_MAX:
             return True
     return False
+
+
+# --------------------------------------------------------------------------------------------
+# memory overlap of arguments an op writes
+
+
+def _address_range(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes ``[start, end)`` that ``t``'s elements span, or None (empty, or no real memory)."""
+    if t.numel() == 0 or isinstance(t, FakeTensor) or t.device.type == "meta":
+        return None
+    try:
+        start = t.data_ptr()
+    except RuntimeError:  # tensor subclasses without storage (functionalisation, ...)
+        return None
+    low = high = 0
+    for size, stride in zip(t.shape, t.stride()):
+        if stride >= 0:
+            high += (size - 1) * stride
+        else:
+            low += (size - 1) * stride
+    size = t.element_size()
+    return start + low * size, start + (high + 1) * size
+
+
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory ``a`` and ``b`` span overlaps.
+
+    Compares address ranges, not storages, so two storages over one buffer (``torch.frombuffer``
+    twice, an untyped-storage view, ``as_strided`` of another tensor's memory) are caught too.
+    Interleaved views (``buf[..., ::2]`` and ``buf[..., 1::2]``) count as overlapping.
+    """
+    if a.device != b.device:
+        return False
+    span_a, span_b = _address_range(a), _address_range(b)
+    if span_a is None or span_b is None:
+        return False
+    return span_a[0] < span_b[1] and span_b[0] < span_a[1]
+
+
+def disjoint(op: str, name: str, value: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
+    """Raise ``ValueError`` if ``value`` (written by ``op``) and ``other`` share memory."""
+    if overlap(value, other):
+        raise ValueError(
+            f"{op}: {name} and {other_name} share memory (their address ranges overlap); "
+            f"{name} is written while {other_name} is in use, so each needs its own buffer"
+        )
+
+
+def self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share an address (a stride 0, or strides that interleave).
+
+    Conservative: a layout it cannot prove free of collisions counts as overlapping.
+    """
+    reach = 0  # the largest offset the dims checked so far reach
+    for stride, size in sorted((abs(st), sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+def writable(op: str, name: str, value: torch.Tensor) -> None:
+    """Raise ``ValueError`` if ``value``, which ``op`` writes, has elements that alias each other."""
+    if self_overlapping(value):
+        raise ValueError(
+            f"{op}: {name} has elements that share memory (shape {tuple(value.shape)}, strides "
+            f"{tuple(value.stride())}: a stride of 0 or interleaving strides), so results written to it would "
+            f"collide; pass a tensor whose elements each have their own memory (e.g. {name}.contiguous())"
+        )
