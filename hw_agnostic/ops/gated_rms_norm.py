@@ -58,7 +58,7 @@ def gated_rms_norm_reference(
     weight: Optional[Tensor],
     eps: float,
     order: str,
-    group_size: int,
+    group_size: Optional[int],
     numerics: str,
     activation: str,
 ) -> Tensor:
@@ -68,6 +68,7 @@ def gated_rms_norm_reference(
     if act is not None and order == "gate_then_norm":
         h = h * act
     *lead, hidden = h.shape
+    group_size = hidden if group_size is None else group_size
     groups = h.reshape(*lead, hidden // group_size, group_size)
     normed = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)).reshape(h.shape)
     if numerics == "llama":
@@ -109,7 +110,7 @@ OP = "gated_rms_norm"
 
 
 def check_gated_rms_norm(
-    x: Tensor, gate: Optional[Tensor], weight: Optional[Tensor], eps: float, order: str, group_size: int,
+    x: Tensor, gate: Optional[Tensor], weight: Optional[Tensor], eps: float, order: str, group_size: Optional[int],
     numerics: str, activation: str,
 ) -> None:
     checks.tensor(OP, "x", x)
@@ -124,11 +125,12 @@ def check_gated_rms_norm(
         checks.vector(OP, "weight", weight, hidden, "x", x)
     checks.number(OP, "eps", eps, minimum=0.0)
     checks.choice(OP, "order", order, ORDERS)
-    checks.integer(OP, "group_size", group_size, minimum=1)
-    if hidden % group_size:
-        raise ValueError(
-            f"{OP}: group_size must divide x's last dimension {hidden} into whole groups; got {group_size}"
-        )
+    if group_size is not None:
+        checks.integer(OP, "group_size", group_size, minimum=1)
+        if hidden % group_size:
+            raise ValueError(
+                f"{OP}: group_size must divide x's last dimension {hidden} into whole groups; got {group_size}"
+            )
     checks.choice(OP, "numerics", numerics, NUMERICS)
     checks.choice(OP, "activation", activation, ACTIVATIONS)
 
@@ -140,10 +142,11 @@ def _out_dtype(x: Tensor, weight: Optional[Tensor], order: str, numerics: str) -
 
 
 def gated_rms_norm_key(
-    x: Tensor, gate: Optional[Tensor], weight: Optional[Tensor], eps: float, order: str, group_size: int,
+    x: Tensor, gate: Optional[Tensor], weight: Optional[Tensor], eps: float, order: str, group_size: Optional[int],
     numerics: str, activation: str,
 ) -> GatedKey:
     hidden = x.shape[-1]
+    group_size = hidden if group_size is None else group_size
     return GatedKey(
         x.device.type, x.dtype, None if gate is None else gate.dtype, None if weight is None else weight.dtype,
         _out_dtype(x, weight, order, numerics), hidden, group_size, token_bucket(x.numel() // hidden), order,
@@ -174,7 +177,8 @@ def _tuning_key(key: GatedKey) -> dict[str, object]:
 
 
 def _build(key: GatedKey, config: dict, args: tuple) -> object:
-    x, gate, weight, eps, order, group_size, numerics, activation = args
+    x, gate, weight, eps = args[:4]
+    order, numerics, activation, group_size = key.order, key.numerics, key.activation, key.group_size
     groups = key.hidden // group_size
     has_gate, has_weight = gate is not None, weight is not None
     round_product = has_weight and torch.promote_types(key.dtype, key.weight_dtype) == key.dtype
@@ -193,8 +197,8 @@ def _build(key: GatedKey, config: dict, args: tuple) -> object:
     out = torch.empty(x.shape, dtype=key.out_dtype, device=x.device)
     launch = kernels.gated_rms_norm_kernel.compile(config, launch_args(x, gate, weight, out, eps), int64=key.int64)
 
-    def run(x: Tensor, gate: Optional[Tensor], weight: Optional[Tensor], eps: float, order: str, group_size: int,
-            numerics: str, activation: str) -> Tensor:
+    def run(x: Tensor, gate: Optional[Tensor], weight: Optional[Tensor], eps: float, order: str,
+            group_size: Optional[int], numerics: str, activation: str) -> Tensor:
         out = torch.empty(x.shape, dtype=key.out_dtype, device=x.device)
         if out.numel():
             launch(*launch_args(x, gate, weight, out, eps))
@@ -259,6 +263,4 @@ def gated_rms_norm(
         A new tensor shaped like ``x``; dtype ``x.dtype``, except ``llama`` with
         ``gate_then_norm``, which returns ``weight * normed`` in their promoted dtype as Mamba-2 does.
     """
-    if group_size is None and isinstance(x, Tensor):
-        group_size = int(x.shape[-1])
     return gated_rms_norm_op(x, gate, weight, eps, order, group_size, numerics, activation)
