@@ -319,7 +319,10 @@ class CompiledReference:
         # key keeps each key's specialisations from crowding out the others'.
         private = types.FunctionType(reference.__code__.replace(), reference.__globals__, reference.__name__,
                                      reference.__defaults__, reference.__closure__)
-        self.compiled: Callable[..., Any] | None = torch.compile(private, dynamic=None, fullgraph=True)
+        # Inductor keeps fused intermediates in fp32 unless told to round where the eager code
+        # rounds; the reference is the spec of where HF rounds, so its compiled form must too.
+        self.compiled: Callable[..., Any] | None = torch.compile(
+            private, dynamic=None, fullgraph=True, options={"emulate_precision_casts": True})
 
     def __call__(self, *args: Any) -> Any:
         if self.compiled is not None:
