@@ -215,8 +215,10 @@ def _example(tokens: int, hidden: int, dtype: torch.dtype, device: str) -> tuple
     x = torch.randn(tokens, hidden, dtype=dtype, device=device)
     gate = torch.randn(tokens, hidden, dtype=dtype, device=device)
     weight = 1.0 + 0.1 * torch.randn(hidden, dtype=dtype, device=device)
-    group_size = hidden // 2 if hidden % 2 == 0 else hidden
-    return x, gate, weight, 1e-6, "gate_then_norm", group_size, "llama", "silu"
+    # Head-dim rows are Qwen3-Next's norm-then-gate; wide rows Mamba-2's gate-then-norm in 8 groups.
+    if hidden <= 256 or hidden % 8:
+        return x, gate, weight, 1e-6, "norm_then_gate", None, "llama", "silu"
+    return x, gate, weight, 1e-6, "gate_then_norm", hidden // 8, "llama", "silu"
 
 
 gated_rms_norm_op = Op(
