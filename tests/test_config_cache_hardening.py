@@ -113,3 +113,29 @@ def test_an_unusable_user_directory_falls_back(roots, monkeypatch, caplog):  # n
     with caplog.at_level(logging.WARNING):
         assert cache.lookup(KERNEL, PLATFORM, KEY).source == "default"
     assert any("user config directory is unusable" in r.getMessage() for r in caplog.records)
+
+
+def test_every_kernels_configs_survive_a_save_and_a_lookup(roots):  # noqa: F811
+    """The stricter reading accepts every config a kernel proposes (the tuner saves those)."""
+    import torch
+
+    from hw_agnostic.autotune.keys import make_key
+    from hw_agnostic.ops import all_ops
+
+    user, _ = roots
+    seen = set()
+    for name, op in sorted(all_ops().items()):
+        if name.startswith("test_") or op.example_inputs is None:
+            continue
+        args = op.example_inputs(16, 64, torch.bfloat16, "cpu")
+        call = op.key(*args)
+        for provider in op.providers:
+            if provider.kernel is None or provider.kernel.name in seen:
+                continue
+            seen.add(provider.kernel.name)
+            key = make_key(provider.tuning_key(call), call.tokens)
+            for config in [provider.kernel.default_config(key), *provider.kernel.candidate_configs(key)[:20]]:
+                cache.save_entry(provider.kernel, PLATFORM, key, config, time_us=1.0)
+                choice = cache.lookup(provider.kernel, PLATFORM, key)
+                assert (choice.source, choice.config) == ("user", json.loads(json.dumps(config))), name
+    assert len(seen) >= 10

@@ -193,22 +193,29 @@ def _key_problem(key: dict[str, Any]) -> str | None:
     return None
 
 
-_CONFIG_DEPTH = 3  # Helion configs hold lists of ints, and lists of those
+# Helion configs hold lists of ints and lists of those; multi-kernel ops hold one config per kernel.
+_CONFIG_DEPTH = 4
 
 
 def _config_problem(config: dict[str, Any]) -> str | None:
-    """Why a stored config is not a flat launch config (numbers, strings, short lists of them)."""
+    """Why a stored config is not a launch config: numbers, strings, and lists or objects of them,
+    nested a few levels at most."""
 
     def plain(value: Any, depth: int) -> bool:
         if value is None or isinstance(value, (bool, int, str)):
             return True
         if isinstance(value, float):
             return math.isfinite(value)
-        return isinstance(value, list) and depth < _CONFIG_DEPTH and all(plain(v, depth + 1) for v in value)
+        if depth >= _CONFIG_DEPTH:
+            return False
+        if isinstance(value, list):
+            return all(plain(v, depth + 1) for v in value)
+        return isinstance(value, dict) and all(plain(v, depth + 1) for v in value.values())
 
     for name, value in config.items():
         if not plain(value, 0):
-            return f"config field {name!r} is not a number, string or short list of them"
+            return f"config field {name!r} is not a number, string, or lists and objects of them nested at most " \
+                   f"{_CONFIG_DEPTH} deep"
     return None
 
 
