@@ -47,16 +47,16 @@ def moe_route_reference(
         scores = torch.sigmoid(logits)
     else:
         scores = logits
-    choice = scores if correction_bias is None else scores + correction_bias.to(compute)
+    choice = _nan_as_inf(scores if correction_bias is None else scores + correction_bias.to(compute))
     num_experts = logits.shape[-1]
     if n_group > 1:
         per_group = num_experts // n_group
         grouped = choice.view(-1, n_group, per_group)
-        group_scores = grouped.topk(min(2, per_group), dim=-1)[0].sum(dim=-1)
-        best_groups = group_scores.topk(topk_group, dim=-1)[1]
+        group_scores = _nan_as_inf(grouped.topk(min(2, per_group), dim=-1)[0].sum(dim=-1))
+        best_groups = _top(group_scores, topk_group)
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
         choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
-    ids = choice.topk(top_k, dim=-1)[1]
+    ids = _top(choice, top_k)
     weights = scores.gather(1, ids)
     if scoring == "topk_then_softmax":
         weights = torch.softmax(weights, dim=-1)
@@ -64,6 +64,16 @@ def moe_route_reference(
         total = weights.sum(dim=-1, keepdim=True)
         weights = weights / (total + 1e-20 if scoring == "sigmoid" else total)
     return weights * routed_scaling_factor, ids
+
+
+def _nan_as_inf(values: Tensor) -> Tensor:
+    """A NaN score ranks above every number, as ``torch.topk`` ranks it (it still weighs NaN)."""
+    return torch.where(torch.isnan(values), float("inf"), values)
+
+
+def _top(values: Tensor, k: int) -> Tensor:
+    """The indices of the ``k`` largest values per row; between equal values the lower index first."""
+    return torch.sort(values, dim=-1, descending=True, stable=True)[1][..., :k]
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,10 +234,12 @@ def moe_route(
         routed_scaling_factor: multiplies the final weights.
 
     Returns:
-        ``(weights [T, top_k] fp32, ids [T, top_k] int64)``, best expert first. Between equal
-        scores the kernels pick the lower expert index; the reference follows ``torch.topk``,
-        which leaves that choice unspecified (as the Hugging Face routers do). Cast the weights
-        as the model does (Qwen casts them to the model dtype, Mixtral and DeepSeek-V3 keep fp32).
+        ``(weights [T, top_k] fp32, ids [T, top_k] int64)``, best expert first: ``top_k``
+        distinct experts in ``[0, E)`` whatever the logits hold. Between equal scores the lower
+        expert index goes first (``torch.topk``, which the Hugging Face routers call, leaves that
+        order unspecified); a NaN score ranks above every number, as ``torch.topk`` ranks it, and
+        its weight is NaN. Cast the weights as the model does (Qwen casts them to the model
+        dtype, Mixtral and DeepSeek-V3 keep fp32).
     """
     return moe_route_op(router_logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group,
                         routed_scaling_factor)
