@@ -60,6 +60,18 @@ except Exception:  # Helion missing or broken: the ops fall back to the referenc
 _constexpr: Any = hl.constexpr if hl is not None else int
 
 
+def _nonfinite_values(visible: torch.Tensor, v_tile: torch.Tensor) -> torch.Tensor:
+    """``[rows, head_dim]``: NaN, +inf or -inf where a row sees a key whose value is NaN (or both
+    infinities), +inf or -inf in that dim, else 0; inlined into the kernel."""
+    seen = visible.to(torch.float32)
+    nans = hl.dot(seen, torch.where(torch.isnan(v_tile), 1.0, 0.0), out_dtype=torch.float32)
+    positives = hl.dot(seen, torch.where(v_tile == float("inf"), 1.0, 0.0), out_dtype=torch.float32)
+    negatives = hl.dot(seen, torch.where(v_tile == float("-inf"), 1.0, 0.0), out_dtype=torch.float32)
+    poisoned = (nans > 0.0) | ((positives > 0.0) & (negatives > 0.0))
+    return torch.where(poisoned, float("nan"), torch.where(positives > 0.0, float("inf"),
+                       torch.where(negatives > 0.0, float("-inf"), 0.0)))
+
+
 def _paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -127,8 +139,10 @@ def _paged_attention(
             column = torch.clamp(keys // page, 0, max_blocks - 1)
             block = hl.load(block_table, [seq, column]).to(torch.int64)
             slot = torch.clamp(block * page + keys % page, 0, num_slots - 1)
-            k_tile = hl.load(k_cache, [slot, kv_head, dims], extra_mask=dims_ok[None, :])
-            v_tile = hl.load(v_cache, [slot, kv_head, dims], extra_mask=dims_ok[None, :])
+            # Slots past the sequence's keys (a block's unwritten tail) are never read.
+            key_ok = (keys < kv_end)[:, None] & dims_ok[None, :]
+            k_tile = hl.load(k_cache, [slot, kv_head, dims], extra_mask=key_ok)
+            v_tile = hl.load(v_cache, [slot, kv_head, dims], extra_mask=key_ok)
             logits = hl.dot(q_tile, k_tile.T, out_dtype=torch.float32)
             if has_softcap:
                 logits = softcap * torch.tanh(logits * (scale / softcap)) * 1.4426950408889634
@@ -143,7 +157,14 @@ def _paged_attention(
             probs = torch.exp2(logits - shift[:, None])
             rescale = torch.exp2(row_max - shift)
             row_sum = row_sum * rescale + torch.sum(probs, dim=1)
-            acc = acc * rescale[:, None] + hl.dot(probs.to(v_tile.dtype), v_tile, out_dtype=torch.float32)
+            # A key a row cannot see has probability 0, but 0 * NaN is NaN: the product takes the
+            # finite values, and non-finite ones reach the rows that see them below.
+            finite = torch.isfinite(v_tile)
+            v_finite = torch.where(finite, v_tile, 0.0).to(v_tile.dtype)
+            acc = acc * rescale[:, None] + hl.dot(probs.to(v_tile.dtype), v_finite, out_dtype=torch.float32)
+            nonfinite = torch.sum(torch.sum(torch.where(finite, 0.0, 1.0), dim=1), dim=0)
+            if nonfinite > 0.0:  # rare: a tile holding NaN or an infinity in V
+                acc = acc + _nonfinite_values(visible, v_tile)
             row_max = new_max
 
         normaliser = torch.where(row_sum == 0.0, 1.0, row_sum)
@@ -297,5 +318,6 @@ def merge_config(num_splits: int, packed_rows: int) -> Config:
 
 
 PAGED_ATTENTION = KernelSpec(
-    "paged_attention", (_paged_attention, _merge_splits), default_paged_attention_config, paged_attention_candidates
+    "paged_attention", (_nonfinite_values, _paged_attention, _merge_splits), default_paged_attention_config,
+    paged_attention_candidates,
 )
