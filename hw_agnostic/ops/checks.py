@@ -6,6 +6,7 @@ and also work on fake tensors while ``torch.compile`` traces.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -149,48 +150,103 @@ def needs_int64(*tensors: torch.Tensor | None) -> bool:
 
 # --------------------------------------------------------------------------------------------
 # memory overlap of arguments an op writes
+#
+# These run on every call of an op that writes an argument, so they cost a few dict lookups when
+# the tensors are apart (the usual case): layouts are analysed once per (shape, strides).
 
 
-def _address_range(t: torch.Tensor) -> tuple[int, int] | None:
-    """The bytes ``[start, end)`` that ``t``'s elements span, or None (empty, or no real memory)."""
-    if t.numel() == 0 or isinstance(t, FakeTensor) or t.device.type == "meta":
-        return None
-    try:
-        start = t.data_ptr()
-    except RuntimeError:  # tensor subclasses without storage (functionalisation, ...)
-        return None
+@functools.lru_cache(maxsize=4096)
+def _layout(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, int, tuple[tuple[int, int], ...] | None]:
+    """Element offsets ``[low, high]`` a layout spans, and its dims ``(stride, size)`` by stride,
+    largest first, when no two elements share an offset (None when they may)."""
     low = high = 0
-    for size, stride in zip(t.shape, t.stride()):
+    for size, stride in zip(shape, strides):
         if stride >= 0:
             high += (size - 1) * stride
         else:
             low += (size - 1) * stride
+    dims = sorted(((abs(st), sz) for sz, st in zip(shape, strides) if sz > 1), reverse=True)
+    reach = 0  # the largest offset the smaller dims reach
+    for stride, size in reversed(dims):
+        if stride <= reach:
+            return low, high, None
+        reach += (size - 1) * stride
+    return low, high, tuple(dims)
+
+
+def _address_range(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes ``[start, end)`` that ``t``'s elements span, or None (empty, or no real memory)."""
+    if type(t) is not torch.Tensor and isinstance(t, FakeTensor):  # tracing: no memory to compare
+        return None
+    try:
+        start = t.data_ptr()  # functional tensors raise, meta tensors give 0
+    except RuntimeError:
+        return None
+    numel = t.numel()
+    if start == 0 or numel == 0:
+        return None
     size = t.element_size()
+    if t.is_contiguous():
+        return start, start + numel * size
+    low, high, _ = _layout(tuple(t.shape), t.stride())
     return start + low * size, start + (high + 1) * size
 
 
-def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory ``a`` and ``b`` span overlaps.
+def _difference_reachable(difference: int, dims: tuple[tuple[int, int], ...]) -> bool:
+    """Whether ``difference = sum(t_k * stride_k)`` with ``|t_k| < size_k``: two tensors of this
+    layout ``difference`` elements apart share an element. Strides are nested (each larger than
+    what the smaller dims reach), so each dim leaves at most two candidates."""
+    if not dims:
+        return difference == 0
+    (stride, size), rest = dims[0], dims[1:]
+    reach = sum((n - 1) * st for st, n in rest)
+    lowest = max(-(size - 1), -((reach - difference) // stride))  # ceil((difference - reach) / stride)
+    highest = min(size - 1, (difference + reach) // stride)
+    return any(_difference_reachable(difference - t * stride, rest) for t in range(lowest, highest + 1))
 
-    Compares address ranges, not storages, so two storages over one buffer (``torch.frombuffer``
-    twice, an untyped-storage view, ``as_strided`` of another tensor's memory) are caught too.
-    Interleaved views (``buf[..., ::2]`` and ``buf[..., 1::2]``) count as overlapping.
+
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share memory.
+
+    Compares addresses, not storages, so two storages over one buffer (``torch.frombuffer``
+    twice, an untyped-storage view, ``as_strided`` over another tensor's memory) are caught too.
+    Where the address ranges meet, two tensors of one dtype and layout (``buf[..., ::2]`` and
+    ``buf[..., 1::2]``; the K and V halves of one ``[blocks, 2, ...]`` cache) are compared
+    element by element, exactly; other layouts whose ranges meet count as overlapping.
     """
+    return _ranges_overlap(a, _address_range(a), b, _address_range(b))
+
+
+def _ranges_overlap(a: torch.Tensor, span_a: tuple[int, int] | None, b: torch.Tensor,
+                    span_b: tuple[int, int] | None) -> bool:
+    if span_a is None or span_b is None or not (span_a[0] < span_b[1] and span_b[0] < span_a[1]):
+        return False
     if a.device != b.device:
         return False
-    span_a, span_b = _address_range(a), _address_range(b)
-    if span_a is None or span_b is None:
-        return False
-    return span_a[0] < span_b[1] and span_b[0] < span_a[1]
+    if a.dtype != b.dtype or a.shape != b.shape or a.stride() != b.stride():
+        return True
+    dims = _layout(tuple(a.shape), a.stride())[2]
+    gap, size = b.data_ptr() - a.data_ptr(), a.element_size()
+    if dims is None or gap % size:
+        return True
+    return _difference_reachable(gap // size, dims)
 
 
-def disjoint(op: str, name: str, value: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
-    """Raise ``ValueError`` if ``value`` (written by ``op``) and ``other`` share memory."""
-    if overlap(value, other):
-        raise ValueError(
-            f"{op}: {name} and {other_name} share memory (their address ranges overlap); "
-            f"{name} is written while {other_name} is in use, so each needs its own buffer"
-        )
+def no_aliasing(op: str, written: tuple[tuple[str, torch.Tensor], ...],
+                read: tuple[tuple[str, torch.Tensor | None], ...] = (), *, among_written: bool = True) -> None:
+    """Raise ``ValueError`` naming the arguments if a tensor ``op`` writes has elements that share
+    memory, or shares memory with another argument it writes (unless ``among_written=False``: the
+    op writes them at data-dependent places) or reads (None: absent)."""
+    for name, value in written:
+        writable(op, name, value)
+    spans = [(name, value, _address_range(value)) for name, value in (*written, *read) if value is not None]
+    for i, (name, value, span) in enumerate(spans[: len(written)]):
+        for other_name, other, other_span in spans[(i + 1 if among_written else len(written)):]:
+            if _ranges_overlap(value, span, other, other_span):
+                raise ValueError(
+                    f"{op}: {name} and {other_name} share memory; {name} is written while {other_name} is in "
+                    "use, so each needs its own memory"
+                )
 
 
 def self_overlapping(t: torch.Tensor) -> bool:
@@ -198,12 +254,9 @@ def self_overlapping(t: torch.Tensor) -> bool:
 
     Conservative: a layout it cannot prove free of collisions counts as overlapping.
     """
-    reach = 0  # the largest offset the dims checked so far reach
-    for stride, size in sorted((abs(st), sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
-        if stride <= reach:
-            return True
-        reach += (size - 1) * stride
-    return False
+    if t.is_contiguous():
+        return False
+    return _layout(tuple(t.shape), t.stride())[2] is None
 
 
 def writable(op: str, name: str, value: torch.Tensor) -> None:

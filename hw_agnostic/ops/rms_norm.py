@@ -167,13 +167,7 @@ def check_fused_add_rms_norm_inplace(
 def check_inplace_buffers(op: str, x: Tensor, residual: Tensor, *read: Optional[Tensor]) -> None:
     """The in-place fused norms write ``x`` and ``residual``: each must own its memory, and
     neither may share memory with the other or with a parameter the op reads."""
-    checks.writable(op, "x", x)
-    checks.writable(op, "residual", residual)
-    checks.disjoint(op, "x", x, "residual", residual)
-    for name, parameter in zip(("weight", "bias"), read):
-        if parameter is not None:
-            checks.disjoint(op, "x", x, name, parameter)
-            checks.disjoint(op, "residual", residual, name, parameter)
+    checks.no_aliasing(op, (("x", x), ("residual", residual)), tuple(zip(("weight", "bias"), read)))
 
 
 def rms_norm_key(x: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> NormKey:

@@ -267,7 +267,11 @@ BAD_INPUTS = [
     ("x and residual share memory",
      lambda: (lambda t: ops.fused_add_layer_norm(t, t, inplace=True))(torch.ones(2, 4))),
     ("x and residual share memory",
-     lambda: (lambda t: ops.fused_add_layer_norm(t[:, ::2], t[:, 1::2], inplace=True))(torch.ones(2, 4))),
+     lambda: (lambda t: ops.fused_add_layer_norm(t[:, :3], t[:, 1:], inplace=True))(torch.ones(2, 4))),
+    ("x and residual share memory",  # two storages over one buffer
+     lambda: (lambda b: ops.fused_add_layer_norm(torch.frombuffer(b, dtype=torch.float32, count=8).view(2, 4),
+                                                 torch.frombuffer(b, dtype=torch.float32, count=8, offset=16).view(2, 4),
+                                                 inplace=True))(bytearray(64))),
     ("x and weight share memory",
      lambda: (lambda t: ops.fused_add_layer_norm(t[:2], torch.ones(2, 4), t[1], inplace=True))(torch.ones(3, 4))),
     ("x has elements that share memory",
