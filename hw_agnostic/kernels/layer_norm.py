@@ -40,14 +40,22 @@ NUMERICS = ("fp32", "one_plus", "cast_then_affine")
 _constexpr: Any = hl.constexpr if hl is not None else int
 
 
-def _scale(y: torch.Tensor, w: torch.Tensor, weight_dtype: torch.dtype, input_dtype: torch.dtype,
-           numerics: str, round_product: bool) -> torch.Tensor:
-    """``y * w`` (fp32 operands) with the module's roundings; inlined into each kernel."""
-    if numerics == "one_plus":
-        return y * (w + 1.0).to(weight_dtype).to(torch.float32)
-    if numerics == "cast_then_affine" and round_product:
-        return (y * w).to(input_dtype).to(torch.float32)
-    return y * w
+def _affine(y: torch.Tensor, w: torch.Tensor, b: torch.Tensor, weight_dtype: torch.dtype, input_dtype: torch.dtype,
+            numerics: str, has_weight: bool, has_bias: bool, round_product: bool) -> torch.Tensor:
+    """The normalised ``y`` (fp32) times ``w`` plus ``b`` (fp32 tiles) with the module's roundings;
+    inlined into each kernel. Absent parameters are stand-ins whose loads the compiler drops."""
+    if numerics == "cast_then_affine":
+        y = y.to(input_dtype).to(torch.float32)
+    if has_weight:  # statements, not expressions: Helion folds constexpr `if`s, not ternaries
+        if numerics == "one_plus":
+            y = y * (w + 1.0).to(weight_dtype).to(torch.float32)
+        else:
+            y = y * w
+            if numerics == "cast_then_affine" and round_product:
+                y = y.to(input_dtype).to(torch.float32)
+    if has_bias:
+        y = y + b
+    return y
 
 
 def _layer_norm(
@@ -67,14 +75,9 @@ def _layer_norm(
         mean = torch.mean(xf, dim=-1, keepdim=True)
         centred = xf - mean
         variance = torch.mean(centred * centred, dim=-1, keepdim=True)
-        y = centred * torch.rsqrt(variance + eps)
-        if numerics == "cast_then_affine":
-            y = y.to(x.dtype).to(torch.float32)
-        if has_weight:  # statements, not expressions: Helion folds constexpr `if`s, not ternaries
-            y = _scale(y, weight[tile_h, :].to(torch.float32)[None, :, :], weight.dtype, x.dtype, numerics,
-                       round_product)
-        if has_bias:
-            y = y + bias[tile_h, :].to(torch.float32)[None, :, :]
+        y = _affine(centred * torch.rsqrt(variance + eps), weight[tile_h, :].to(torch.float32)[None, :, :],
+                    bias[tile_h, :].to(torch.float32)[None, :, :], weight.dtype, x.dtype, numerics, has_weight,
+                    has_bias, round_product)
         out[tile_m, tile_h, :] = y.to(out.dtype)
 
 
@@ -99,13 +102,9 @@ def _fused_add_layer_norm_row(
         mean = torch.mean(sf, dim=-1, keepdim=True)
         centred = sf - mean
         variance = torch.mean(centred * centred, dim=-1, keepdim=True)
-        y = centred * torch.rsqrt(variance + eps)
-        if numerics == "cast_then_affine":
-            y = y.to(x.dtype).to(torch.float32)
-        if has_weight:
-            y = _scale(y, weight[None, :].to(torch.float32), weight.dtype, x.dtype, numerics, round_product)
-        if has_bias:
-            y = y + bias[None, :].to(torch.float32)
+        y = _affine(centred * torch.rsqrt(variance + eps), weight[None, :].to(torch.float32),
+                    bias[None, :].to(torch.float32), weight.dtype, x.dtype, numerics, has_weight, has_bias,
+                    round_product)
         out[tile_m, :] = y.to(out.dtype)
 
 
@@ -146,13 +145,9 @@ def _fused_add_layer_norm_chunked(
             count = total
         inv_std = torch.rsqrt(squares / n + eps)
         for tile_n in hl.tile(n, block_size=block_n):
-            y = (residual_out[tile_m, tile_n].to(torch.float32) - mean[:, None]) * inv_std[:, None]
-            if numerics == "cast_then_affine":
-                y = y.to(x.dtype).to(torch.float32)
-            if has_weight:
-                y = _scale(y, weight[None, tile_n].to(torch.float32), weight.dtype, x.dtype, numerics, round_product)
-            if has_bias:
-                y = y + bias[None, tile_n].to(torch.float32)
+            y = _affine((residual_out[tile_m, tile_n].to(torch.float32) - mean[:, None]) * inv_std[:, None],
+                        weight[None, tile_n].to(torch.float32), bias[None, tile_n].to(torch.float32), weight.dtype,
+                        x.dtype, numerics, has_weight, has_bias, round_product)
             out[tile_m, tile_n] = y.to(out.dtype)
 
 
@@ -161,12 +156,12 @@ fused_add_layer_norm_row_kernel = HelionFunction(_fused_add_layer_norm_row)
 fused_add_layer_norm_chunked_kernel = HelionFunction(_fused_add_layer_norm_chunked)
 
 LAYER_NORM = KernelSpec(
-    "layer_norm", (_scale, _layer_norm), norm_configs.default_config, norm_configs.candidate_configs
+    "layer_norm", (_affine, _layer_norm), norm_configs.default_config, norm_configs.candidate_configs
 )
 # The fused kernels have the shape of fused_add_rms_norm's (row / chunked over [rows, hidden]): same configs.
 FUSED_ADD_LAYER_NORM = KernelSpec(
     "fused_add_layer_norm",
-    (_scale, _fused_add_layer_norm_row, _fused_add_layer_norm_chunked),
+    (_affine, _fused_add_layer_norm_row, _fused_add_layer_norm_chunked),
     default_fused_add_rms_norm_config,
     fused_add_rms_norm_candidates,
 )

@@ -196,3 +196,18 @@ def assert_same_rounding(got: torch.Tensor, want: torch.Tensor, *, share: float 
         return
     differ = (got != want).double().mean().item()
     assert differ <= share, f"{differ:.1%} of the elements round differently from the HF module"
+
+
+def check_parity(entry: HFNorm, dtype: torch.dtype, provider: str, op: Callable[..., Any]) -> None:
+    """Our op (``provider`` forced) against the HF module on one input, at the level of roundings."""
+    from tests.conftest import kernel_device
+    from tests.harness import seeded_generator
+
+    device = "cpu" if provider == "reference" else kernel_device()
+    g = seeded_generator(f"hf-{entry.id}-{dtype}")
+    module = build(entry, 60, g).to(device=device, dtype=dtype)
+    x, gate = inputs(entry, 60, dtype, device, g)
+    want = run_module(entry, module, x, gate)
+    with torch.no_grad(), ops.use_provider(provider, op):
+        got = entry.ours(module, x, gate)
+    assert_same_rounding(got, want)

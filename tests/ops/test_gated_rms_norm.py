@@ -127,16 +127,7 @@ def _providers_here() -> list:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("entry", hf_norms.GATED_NORMS, ids=repr)
 def test_matches_hf_module(entry, dtype, provider):
-    from tests.conftest import kernel_device
-
-    device = "cpu" if provider == "reference" else kernel_device()
-    g = seeded_generator(f"hf-{entry.id}-{dtype}")
-    module = hf_norms.build(entry, 60, g).to(device=device, dtype=dtype)
-    x, gate = hf_norms.inputs(entry, 60, dtype, device, g)
-    want = hf_norms.run_module(entry, module, x, gate)
-    with torch.no_grad(), ops.use_provider(provider, ops.gated_rms_norm):
-        got = entry.ours(module, x, gate)
-    hf_norms.assert_same_rounding(got, want)
+    hf_norms.check_parity(entry, dtype, provider, ops.gated_rms_norm)
 
 
 @pytest.mark.parametrize("entry", [e for e in hf_norms.GATED_NORMS if "Mamba" in e.id or "Falcon" in e.id], ids=repr)

@@ -176,16 +176,7 @@ def _providers_here() -> list:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("entry", hf_norms.LAYER_NORMS, ids=repr)
 def test_matches_hf_module(entry, dtype, provider):
-    from tests.conftest import kernel_device
-
-    device = "cpu" if provider == "reference" else kernel_device()
-    g = seeded_generator(f"hf-{entry.id}-{dtype}")
-    module = hf_norms.build(entry, 60, g).to(device=device, dtype=dtype)
-    x, _ = hf_norms.inputs(entry, 60, dtype, device, g)
-    want = hf_norms.run_module(entry, module, x, None)
-    with torch.no_grad(), ops.use_provider(provider, ops.layer_norm):
-        got = entry.ours(module, x, None)
-    hf_norms.assert_same_rounding(got, want)
+    hf_norms.check_parity(entry, dtype, provider, ops.layer_norm)
 
 
 @pytest.mark.parametrize("provider", _providers_here())
