@@ -73,7 +73,7 @@ def _nan_as_inf(values: Tensor) -> Tensor:
 
 def _top(values: Tensor, k: int) -> Tensor:
     """The indices of the ``k`` largest values per row; between equal values the lower index first."""
-    return torch.sort(values, dim=-1, descending=True, stable=True)[1][..., :k]
+    return torch.sort(values, dim=-1, descending=True, stable=True)[1][..., :k].contiguous()
 
 
 # --------------------------------------------------------------------------------------------
