@@ -60,7 +60,7 @@ def _route(
         choice = torch.where(in_range, scores, float("-inf"))
         if has_bias:
             choice = choice + hl.load(correction_bias, [tile_e]).to(torch.float32)[None, :]
-        choice = torch.where(torch.isnan(choice), float("inf"), choice)
+        choice = torch.where(choice != choice, float("inf"), choice)  # NaN ranks with +inf
         if n_group > 1:
             # DeepSeek-V3: a group scores the sum of its two best experts; only the topk_group
             # best groups stay eligible.
@@ -76,7 +76,7 @@ def _route(
                 members = torch.sum(member.to(torch.float32), dim=1, keepdim=True)
                 second = torch.where(members > 1.0, second, 0.0)  # one-expert groups score their one
                 group_score = torch.where(member, first + second, group_score)
-            group_score = torch.where(torch.isnan(group_score), float("inf"), group_score)
+            group_score = torch.where(group_score != group_score, float("inf"), group_score)
             kept = torch.zeros_like(choice)
             for g in hl.static_range(topk_group):
                 open_group = (kept == 0.0) & in_range
