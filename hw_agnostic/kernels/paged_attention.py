@@ -40,6 +40,10 @@ writes its normalised partial output and log-sum-exp; :func:`_merge_splits` comb
 Every address that comes from data (block ids, slots, row offsets) is clamped or masked into its
 tensor, so malformed metadata gives wrong numbers, never an out-of-bounds access; the op's
 reference path validates the metadata and raises.
+
+NaN and infinities: the P @ V product takes only the finite values (a key a row cannot see has
+probability 0, and 0 * NaN would be NaN); when a program met non-finite values, a second pass
+over its keys adds them to exactly the rows that see them (:func:`_nonfinite_values`).
 """
 
 from __future__ import annotations
