@@ -22,7 +22,8 @@ from hw_agnostic.autotune.platform import DeviceMismatch, device_name, resolve_d
 from . import report
 from .timing import copy_bandwidth_gbps, matmul_tflops
 
-SUITES = {"ops": "bench.ops_suite", "model": "bench.model_suite", "moe": "bench.moe_suite", "attention": "bench.attention_suite"}
+SUITES = {"ops": "bench.ops_suite", "model": "bench.model_suite", "moe": "bench.moe_suite", "attention": "bench.attention_suite",
+          "vllm": "bench.vllm_suite"}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

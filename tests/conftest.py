@@ -6,11 +6,15 @@
   developer's own cache.
 * ``dsl`` tests need something that runs kernels: a GPU, or one of the CPU interpreters.
 * Hypothesis fuzzing is deterministic by default (see the profiles below).
+* No silent skips: a skip whose reason ``tests/expected_skips.py`` does not allow for this tier
+  fails its test, and the end of the run lists the tier's skips by reason.
 """
 
 from __future__ import annotations
 
+import collections
 import os
+import re
 import tempfile
 
 os.environ.setdefault("HW_AGNOSTIC_COMPILE_REFERENCE", "0")
@@ -47,6 +51,56 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(no_kernels)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_gpu)
+
+
+def tier() -> str:
+    """This process's test tier: ``reference``, ``triton``, ``helion`` or ``gpu`` (tests/expected_skips.py)."""
+    mode = interpreter_mode()
+    return mode if mode is not None else "gpu" if torch.cuda.is_available() else "reference"
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def _allowed(reason: str) -> tuple[str, str] | None:
+    from tests.expected_skips import EXPECTED_SKIPS
+
+    return next(((pattern, why) for pattern, why in EXPECTED_SKIPS[tier()] if re.match(pattern, reason)), None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = _skip_reason(report)
+        if _allowed(reason) is None:
+            report.outcome = "failed"
+            report.longrepr = (f"unexpected skip in the {tier()} tier: {reason}\n"
+                               "(a skip must be allowed, with its reason, in tests/expected_skips.py)")
+
+
+_skips: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Counts the allowed skips (on the xdist controller too: it sees every worker's reports)."""
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = _skip_reason(report)
+        allowed = _allowed(reason)
+        if allowed is not None:
+            _skips[allowed[1]][reason] += 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    total = sum(sum(reasons.values()) for reasons in _skips.values())
+    terminalreporter.write_sep("-", f"{total} skips in the {tier()} tier, each allowed by tests/expected_skips.py")
+    for why, reasons in sorted(_skips.items(), key=lambda item: -sum(item[1].values())):
+        terminalreporter.write_line(f"{sum(reasons.values()):5d}  {why}")
+        for reason, count in reasons.most_common():
+            terminalreporter.write_line(f"       {count:5d}  {reason}")
 
 
 @pytest.fixture

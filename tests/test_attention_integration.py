@@ -176,14 +176,21 @@ def test_an_out_of_tree_replacement_is_what_gets_built():
         unregister_oot("paged_attention")
 
 
-def test_a_cache_filled_without_paged_attention_is_refused():
+def test_a_cache_filled_without_paged_attention_keeps_transformers_code():
+    """A cache slot filled by an unpaged model cannot be paged mid-sequence: that layer keeps
+    transformers' cache and the module's own attention for the cache's whole life."""
     model, reference = tiny_model("llama")
-    cache = DynamicCache(config=reference.config)
+    cache, own = DynamicCache(config=reference.config), DynamicCache(config=reference.config)
     with torch.no_grad():
         reference(torch.tensor([[5, 6, 7]]), cache=cache, use_cache=True)
+        reference(torch.tensor([[5, 6, 7]]), cache=own, use_cache=True)
     enable_paged_attention(model)
-    with torch.no_grad(), pytest.raises(ValueError, match="already holds 3 tokens written without paged attention"):
-        model(torch.tensor([[8]]), cache=cache, use_cache=True)
+    with torch.no_grad(), ops.trace_dispatch() as record:
+        got = model(torch.tensor([[8]]), cache=cache, use_cache=True).logits
+    want = reference(torch.tensor([[8]]), cache=own, use_cache=True).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not _ran(record, "paged_attention") and cache.get_seq_length() == 4
+    assert not any(isinstance(layer, PagedCacheLayer) for layer in cache.layers)
 
 
 def test_the_cache_layers_are_paged_views():

@@ -10,6 +10,7 @@ import torch
 from hw_agnostic import ops
 from hw_agnostic.ops import registry
 from hw_agnostic.ops.registry import all_ops
+from hw_agnostic.tolerances import assert_within_ulps
 from tests.conftest import kernel_device
 from tests.harness import dsl_providers
 
@@ -70,11 +71,26 @@ def test_compile_with_inductor():
         torch.testing.assert_close(got, want)
 
 
-def test_backward_through_an_op_raises_a_clear_error():
-    x = torch.randn(2, 8, requires_grad=True)
-    out = ops.rms_norm(x, torch.ones(8))
-    with pytest.raises(RuntimeError, match="no autograd formula"):
-        out.sum().backward()
+@pytest.mark.parametrize("name", ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_and_mul", "swiglu_oai"])
+def test_differentiable_ops_backpropagate_through_their_reference(name):
+    """The kernel runs forward; the backward is the reference's, so gradients match autograd's."""
+    op = ops.get_op(name)
+    assert op.differentiable
+    args = tuple(a.double().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                 for a in op.example_inputs(5, 16, torch.float32, "cpu"))
+    assert torch.autograd.gradcheck(lambda *t: op(*t), args)
+    compiled = torch.compile(lambda *t: op(*t), fullgraph=True, backend="aot_eager")
+    out = compiled(*args)
+    (out if isinstance(out, torch.Tensor) else out[0]).sum().backward()
+    assert all(a.grad is not None for a in args if isinstance(a, torch.Tensor) and a.requires_grad)
+
+
+def test_ops_that_mutate_have_no_backward():
+    x, residual = torch.randn(2, 8, requires_grad=True), torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="writes x, residual in place and has no backward"):
+        ops.fused_add_rms_norm(x, residual, torch.ones(8), inplace=True)
+    with torch.no_grad():
+        ops.fused_add_rms_norm(x, residual, torch.ones(8), inplace=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -82,7 +98,9 @@ def test_backward_through_an_op_raises_a_clear_error():
 
 
 @pytest.mark.slow
-def test_reference_runs_compiled_and_matches_eager(monkeypatch):
+def test_reference_runs_compiled_and_rounds_where_eager_does(monkeypatch):
+    """Compiled, the reference keeps the spec's roundings (Inductor would otherwise fuse the bf16
+    casts away: llama numerics would become fp32_scale, silu_and_mul would skip rounding act(gate))."""
     monkeypatch.setenv(registry.COMPILE_ENV, "1")
     ops.reset()
     g = torch.Generator().manual_seed(0)
@@ -90,9 +108,10 @@ def test_reference_runs_compiled_and_matches_eager(monkeypatch):
     for tokens in (1, 5, 9, 33):  # one compile, then the token count goes dynamic
         x = torch.randn(tokens, 64, generator=g).to(torch.bfloat16)
         with ops.trace_dispatch() as ran:
-            got = ops.rms_norm(x, weight)
-        assert isinstance(ran[0].run, registry.CompiledReference)
-        torch.testing.assert_close(got, ops.get_op("rms_norm").reference(x, weight, 1e-6, "llama"))
+            got, act = ops.rms_norm(x, weight), ops.silu_and_mul(x)
+        assert all(isinstance(plan.run, registry.CompiledReference) for plan in ran)
+        assert_within_ulps(got, ops.get_op("rms_norm").reference(x, weight, 1e-6, "llama"))
+        assert torch.equal(act, ops.get_op("silu_and_mul").reference(x))
 
 
 def test_reference_falls_back_to_eager_when_compiling_fails(monkeypatch, caplog):

@@ -1,12 +1,13 @@
 """Transformers integration of paged attention: ``generate()`` and continuous batching on our kernels.
 
-``enable_paged_attention(model)`` replaces every Hugging Face self-attention module it recognises
+``enable_paged_attention(model)`` makes every Hugging Face self-attention module it recognises
 (one that stores K/V through ``cache.update(k, v, layer_idx, kwargs=...)`` and dispatches its
 attention through ``ALL_ATTENTION_FUNCTIONS``, as Llama, Mistral, Qwen3, Gemma-2, gpt-oss and most
-decoder families do) by a :class:`~hw_agnostic.layers.attention.PagedAttention` layer, and
-returns the paths it replaced. The module's own projections, norms and rotary embedding keep
-running; K/V go to a paged cache through ``write_kv_cache`` and attention runs in
-``paged_attention`` with the module's scale, sliding window, softcap and sinks.
+decoder families do) a :class:`~hw_agnostic.layers.attention.PagedAttention` layer (its class is
+switched, so it keeps its parameters, names and hooks), and returns the paths it changed. The
+module's own projections, norms and rotary embedding keep running; K/V go to a paged cache
+through ``write_kv_cache`` and attention runs in ``paged_attention`` with the module's scale,
+sliding window, softcap and sinks.
 
 Why the attention module is swapped (and the cache owned per layer) rather than only an
 attention function registered: transformers gives an attention function K/V that the cache has
@@ -16,11 +17,16 @@ receives the cache object itself, so K/V are written once, into pages, and block
 kernel:
 
 * ``generate()`` (any transformers ``Cache``, e.g. the ``DynamicCache`` generate creates): on
-  its first call for a cache, each layer installs its own paged view, a :class:`PagedCacheLayer`,
-  at its index in the cache, so the cache's bookkeeping (sequence length, mask sizes, beam
-  reordering, ``batch_select_indices``) goes through the pages. Padding from the attention mask
-  is skipped on write and masked by construction (see :mod:`hw_agnostic.layers.attention`).
-  Sliding-window layers keep all their tokens (the kernel only visits the window).
+  the first write to an empty plain K/V slot of a cache (at the ``layer_idx`` the module passes to
+  ``update``), a paged view, a :class:`PagedCacheLayer`, takes the slot, so the cache's
+  bookkeeping (sequence length, mask sizes, beam reordering, ``batch_select_indices``, ``crop``)
+  goes through the pages. Padding from the attention mask is skipped on write and masked by
+  construction (see :mod:`hw_agnostic.layers.attention`). Sliding-window layers keep all their
+  tokens (the kernel only visits the window). A slot that also holds other state (a hybrid
+  model's conv/SSM state), or was filled without paged attention, keeps transformers' cache code
+  and the module's own attention for that cache.
+* calls the kernels cannot serve (training, gradients, ``output_attentions=True``) write the pages
+  and run the module's own attention over every position's K/V read back from them.
 * continuous batching (``generate_batch``, ``init_continuous_batching``): the layer receives
   transformers' ``PagedAttentionCache`` and uses *its* storage. For full-attention layers the
   cache's page views are exactly ``[num_pages, page_size, kv_heads, head_dim]``, its write indices
@@ -29,7 +35,8 @@ kernel:
   Sliding-window layers of that cache are ring buffers that a prefill chunk overwrites while it
   still needs them, so those layers read their window through the cache's own index path
   (at most ``window - 1 + chunk`` tokens per sequence) and attend with our kernel over it.
-* no cache (``use_cache=False``): a paged view for the one forward.
+* no cache (``use_cache=False``): the module's cache code does not run (as in transformers); the
+  attention function pages the K/V it receives for that one forward.
 
 The model's own ``config._attn_implementation`` is left alone (continuous batching accepts only
 ``sdpa``/``eager``/flash there); each swapped module dispatches from a copy of the config naming
@@ -40,21 +47,25 @@ the ``hw_agnostic_paged`` attention function, which is also registered in ``Atte
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
-from ..layers.attention import PAGED_BATCH_KWARG, PagedAttention, PagedBatch, PagedKVCache, attend
+from ..layers.attention import (
+    _STATE, PAGED_BATCH_KWARG, PagedAttention, PagedBatch, PagedKVCache, TransientPages, attend,
+)
 from ..layers.base import resolve
 from ..ops.write_kv_cache import write_kv_cache
+from .changes import Change
 
 ATTENTION_NAME = "hw_agnostic_paged"
 _FALLBACK_ATTRIBUTE = "_hw_agnostic_fallback_attention"
-_NO_KWARGS = "paged attention: the attention module must pass its kwargs to cache.update(..., kwargs=kwargs)"
 
 
 # --------------------------------------------------------------------------------------------
@@ -72,20 +83,32 @@ def paged_attention_forward(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """The ``AttentionInterface`` function: ``paged_attention`` over the batch a binding stored."""
-    batch: Optional[PagedBatch] = kwargs.pop(PAGED_BATCH_KWARG, None)
+    batch: Optional[PagedBatch | TransientPages] = kwargs.pop(PAGED_BATCH_KWARG, None)
+    if isinstance(batch, TransientPages):
+        batch = batch.page(key, value, real_tokens(batch.attention_mask, key.shape[2]))
     if batch is None:
         return _fallback(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if key is not batch.key_states or value is not batch.value_states:
+        raise KVChangedError(
+            f"{type(module).__name__} changes K/V between cache.update and its attention call (e.g. splits or "
+            "tiles them); the paged kernel reads the cache, so this module cannot be paged"
+        )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = attend(query, batch, scale=scale, sliding_window=kwargs.get("sliding_window"),
                  softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
     return out, None
 
 
+class KVChangedError(NotImplementedError):
+    """An attention module computes with K/V other than the ones it stored in the cache."""
+
+
 def _fallback(module: nn.Module) -> Callable[..., Any]:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     name = getattr(module.config, _FALLBACK_ATTRIBUTE, "eager")
-    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    own_class = getattr(type(module), "_hw_agnostic_base", type(module))
+    eager = getattr(sys.modules[own_class.__module__], "eager_attention_forward", None)
     if name == "eager" or name not in ALL_ATTENTION_FUNCTIONS:
         if eager is None:
             raise RuntimeError(f"{type(module).__name__}: no paged batch and no eager attention to fall back to")
@@ -113,8 +136,11 @@ def _cache_layer_base() -> type:
 class PagedCacheLayer(_cache_layer_base()):  # type: ignore[misc]
     """A transformers cache layer whose storage is a :class:`PagedKVCache` (one per attention layer).
 
-    Only paged attention layers write it; the cache container reads its length, mask sizes and
-    reorders it (beam search) through the methods below.
+    Paged attention layers write it through their binding; the cache container reads its length,
+    mask sizes and reorders it (beam search) through the methods below. A module that was not
+    paged (or a paged one on its fallback path) writes it through :meth:`update`, which appends
+    and returns every position's K/V as transformers' own layer would, and ``keys`` / ``values``
+    read the pages back in transformers' layout.
     """
 
     is_compileable = False
@@ -137,13 +163,47 @@ class PagedCacheLayer(_cache_layer_base()):  # type: ignore[misc]
         if self.store is None:
             self.store = PagedKVCache(batch_size, heads, head_dim, block_size=self.block_size,
                                       dtype=key_states.dtype, device=key_states.device)
-        return self.store.append(key_states.transpose(1, 2), value_states.transpose(1, 2), real)
+        batch = self.store.append(key_states.transpose(1, 2), value_states.transpose(1, 2), real)
+        batch.key_states, batch.value_states = key_states, value_states
+        return batch
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        raise RuntimeError(
-            "this cache layer is paged and written by hw_agnostic's PagedAttention layer; a module that "
-            "was not swapped by enable_paged_attention() tried to update it"
-        )
+        self.append(key_states, value_states, None)
+        return self.read_with(key_states, value_states)
+
+    def read_with(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
+        """Every position's K/V after a step was appended, the step's own given as they came (so
+        gradients reach them, and its padding positions hold what the module computed)."""
+        keys, values = self.read()
+        steps = key_states.shape[2]
+        return (torch.cat([keys[:, :, : keys.shape[2] - steps], key_states], dim=2),
+                torch.cat([values[:, :, : values.shape[2] - steps], value_states], dim=2))
+
+    def read(self) -> tuple[Tensor, Tensor]:
+        """Every position's K/V, ``[B, Hkv, seen, D]`` (zeros at padding, which the mask hides)."""
+        if self.store is None:
+            raise ValueError("this paged cache layer holds nothing yet")
+        return self.store.read()
+
+    @property
+    def keys(self) -> Optional[Tensor]:
+        """Every position's keys, read back from the pages (transformers' ``layer.keys``)."""
+        return None if self.store is None else self.store.read()[0]
+
+    @keys.setter
+    def keys(self, value: Any) -> None:
+        if value is not None:  # transformers' base class initialises the attribute to None
+            raise AttributeError("a paged cache layer's keys live in its pages; write them with update()")
+
+    @property
+    def values(self) -> Optional[Tensor]:
+        """Every position's values, read back from the pages (transformers' ``layer.values``)."""
+        return None if self.store is None else self.store.read()[1]
+
+    @values.setter
+    def values(self, value: Any) -> None:
+        if value is not None:
+            raise AttributeError("a paged cache layer's values live in its pages; write them with update()")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -171,9 +231,11 @@ class PagedCacheLayer(_cache_layer_base()):  # type: ignore[misc]
             self.store.repeat_interleave(repeats)
 
     def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` positions (transformers' convention: 0 keeps all)."""
         if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative number of tokens to remove (transformers' convention)")
-        if self.store is not None:
+            raise ValueError(f"crop takes a negative number of tokens to remove (transformers' convention); "
+                             f"got {tokens_to_remove}")
+        if self.store is not None and tokens_to_remove < 0:
             self.store.crop(-tokens_to_remove)
 
     def offload(self) -> None:
@@ -183,12 +245,15 @@ class PagedCacheLayer(_cache_layer_base()):  # type: ignore[misc]
         pass
 
 
-def real_tokens(attention_mask: Any, q_len: int) -> Optional[Tensor]:
+def real_tokens(attention_mask: Any, q_len: int, past: int = 0) -> Optional[Tensor]:
     """``[B, q]`` bool: which of a step's tokens are not padding, read from the mask the model made.
 
-    ``None`` means no padding. A 4-D mask (SDPA's bool or eager's additive float) allows a real
-    query to see itself, so its diagonal over the step's (last) key columns marks the real
-    tokens; a 2-D padding mask is read directly.
+    ``None`` means no padding. ``past`` is the number of positions before the step. A 4-D mask
+    (SDPA's bool or eager's additive float) allows a real query to see itself, so the mask's
+    entry for each query's own position marks the real tokens; its columns start at position 0
+    (a static cache's mask spans the cache's whole capacity) unless the mask is narrower than the
+    positions seen (a sliding window's), when they end at the step's last token. A 2-D padding
+    mask is read directly.
     """
     if attention_mask is None or not isinstance(attention_mask, Tensor):
         return None
@@ -198,50 +263,84 @@ def real_tokens(attention_mask: Any, q_len: int) -> Optional[Tensor]:
         raise ValueError(
             f"paged attention: cannot read padding from an attention mask of shape {tuple(attention_mask.shape)}"
         )
+    first = min(past, attention_mask.shape[-1] - q_len)
     steps = torch.arange(q_len, device=attention_mask.device)
-    diagonal = attention_mask[:, 0, steps, attention_mask.shape[-1] - q_len + steps]
+    diagonal = attention_mask[:, 0, steps, first + steps]
     return diagonal if diagonal.dtype == torch.bool else diagonal == 0
 
 
+@functools.lru_cache(maxsize=None)
+def _pageable_layer_classes() -> tuple[type, ...]:
+    """transformers' cache layers that hold plain K/V and nothing else: a paged view may stand in for them."""
+    from transformers import cache_utils
+
+    names = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer")
+    return tuple(getattr(cache_utils, name) for name in names if hasattr(cache_utils, name))
+
+
+def paged_layer_of(cache: Any, index: int, block_size: int, windowed: bool = True) -> Optional[PagedCacheLayer]:
+    """The paged view at ``cache.layers[index]``, installed if the slot is an empty plain K/V layer.
+
+    ``None`` when the slot holds something a paged view cannot stand in for: a layer that also
+    keeps other state (a hybrid model's conv/SSM state, compression weights), a layer already
+    filled without paged attention, a sliding-window layer whose module does not pass the window
+    to its attention (``windowed=False``: the window then comes from the cache evicting old
+    tokens, which pages do not), or an offloading cache. Such a layer keeps transformers' own cache
+    code for its whole life, so each layer of a cache is served consistently.
+    """
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list) or getattr(cache, "offloading", False):
+        return None
+    while len(layers) <= index:
+        if getattr(cache, "layer_class_to_replicate", None) is None:
+            return None
+        layers.append(cache.layer_class_to_replicate())
+    current = layers[index]
+    if isinstance(current, PagedCacheLayer):
+        return current
+    if type(current) not in _pageable_layer_classes() or current.get_seq_length() > 0:
+        return None
+    if getattr(current, "is_sliding", False) and not windowed:
+        return None
+    paged = PagedCacheLayer(is_sliding=bool(getattr(current, "is_sliding", False)), block_size=block_size)
+    layers[index] = paged
+    return paged
+
+
 class _StoreBinding:
-    """What the wrapped module writes through when the cache is a transformers ``Cache`` (or None)."""
+    """What a paged module writes through when the cache is a transformers ``Cache`` (or None).
 
-    def __init__(self, cache: Any, layer: PagedCacheLayer, attention_mask: Any) -> None:
-        self.cache, self.layer, self.attention_mask = cache, layer, attention_mask
+    The cache slot is resolved from the ``layer_idx`` the module passes to ``update`` (a module
+    reused at several depths, or a shared block told its index at call time, writes where it says).
+    On the paged path the step goes to the pages and the paged batch to the attention function; on
+    the fallback path, and for slots a paged view cannot stand in for, ``update`` returns every
+    position's K/V and the module's own attention runs.
+    """
 
-    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any,
+    def __init__(self, layer: PagedAttention, cache: Any, attention_mask: Any, fallback: bool) -> None:
+        self.layer, self.cache, self.attention_mask, self.fallback = layer, cache, attention_mask, fallback
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: Any = None, *args: Any,
                kwargs: Optional[dict] = None, **extra: Any) -> tuple[Tensor, Tensor]:
-        if kwargs is None:
-            raise TypeError(_NO_KWARGS)
-        real = real_tokens(self.attention_mask, key_states.shape[2])
-        kwargs[PAGED_BATCH_KWARG] = self.layer.append(key_states, value_states, real)
+        own = getattr(self.layer, "layer_idx", None)
+        index = own if layer_idx is None else layer_idx
+        paged = None if index is None else paged_layer_of(self.cache, int(index), self.layer.block_size,
+                                                           self.layer.passes_window)
+        if paged is None:
+            if kwargs is not None:
+                extra["kwargs"] = kwargs
+            return self.cache.update(key_states, value_states, layer_idx, *args, **extra)
+        past = paged.get_seq_length()
+        batch = paged.append(key_states, value_states, real_tokens(self.attention_mask, key_states.shape[2], past))
+        if index == own:
+            self.layer.__dict__[_STATE].kv = paged.store
+        if self.fallback or kwargs is None:
+            return paged.read_with(key_states, value_states)
+        kwargs[PAGED_BATCH_KWARG] = batch
         return key_states, value_states
 
     def __getattr__(self, name: str) -> Any:
-        if self.cache is None:
-            raise AttributeError(name)
         return getattr(self.cache, name)
-
-
-def _paged_layer_of(cache: Any, layer: PagedAttention) -> PagedCacheLayer:
-    index = layer.layer_idx
-    if index is None:
-        raise ValueError(f"{type(layer.wrapped).__name__} has no layer_idx; it cannot share a transformers cache")
-    while len(cache.layers) <= index:
-        if getattr(cache, "layer_class_to_replicate", None) is None:
-            raise ValueError(f"the cache has {len(cache.layers)} layers; layer {index} has no slot in it")
-        cache.layers.append(cache.layer_class_to_replicate())
-    current = cache.layers[index]
-    if isinstance(current, PagedCacheLayer):
-        return current
-    if current.get_seq_length() > 0:
-        raise ValueError(
-            f"layer {index} of the cache already holds {current.get_seq_length()} tokens written without paged "
-            "attention; start generation from an empty cache"
-        )
-    paged = PagedCacheLayer(is_sliding=bool(getattr(current, "is_sliding", False)), block_size=layer.block_size)
-    cache.layers[index] = paged
-    return paged
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,13 +348,13 @@ def _paged_layer_of(cache: Any, layer: PagedAttention) -> PagedCacheLayer:
 
 
 class _ContinuousBatchingBinding:
-    def __init__(self, cache: Any) -> None:
-        self.cache = cache
+    def __init__(self, cache: Any, fallback: bool) -> None:
+        self.cache, self.fallback = cache, fallback
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any,
                kwargs: Optional[dict] = None, **extra: Any) -> tuple[Tensor, Tensor]:
-        if kwargs is None:
-            raise TypeError(_NO_KWARGS)
+        if self.fallback or kwargs is None:  # the cache's own update: K/V gathered, the module's attention
+            return self.cache.update(key_states, value_states, layer_idx, kwargs, *args, **extra)
         allocator = self.cache.layer_to_allocator[layer_idx]
         cu_k, max_k = kwargs["cu_seq_lens_k"], kwargs["max_length_k"]
         if isinstance(cu_k, dict):
@@ -266,6 +365,7 @@ class _ContinuousBatchingBinding:
                                 int(max_k), kwargs)
         else:
             batch = self._windowed(layer_idx, key_states, value_states, cu_q, max_q, kwargs)
+        batch.key_states, batch.value_states = key_states, value_states
         kwargs[PAGED_BATCH_KWARG] = batch
         return key_states, value_states
 
@@ -319,38 +419,119 @@ def _one_token_blocks(states: Tensor) -> Tensor:
 # binding and enabling
 
 
-def bind_cache(layer: PagedAttention, cache: Any, attention_mask: Any, arguments: dict) -> Any:
-    """The object the wrapped module writes K/V through, for the cache its forward received."""
+def bind_cache(layer: PagedAttention, cache: Any, attention_mask: Any, fallback: bool) -> Any:
+    """The object the module writes K/V through, for the cache its forward received (None: none)."""
     from transformers.cache_utils import Cache
     from transformers.generation.continuous_batching import PagedAttentionCache
 
     if isinstance(cache, PagedAttentionCache):
-        return _ContinuousBatchingBinding(cache)
-    if cache is None:
-        return _StoreBinding(None, PagedCacheLayer(block_size=layer.block_size), attention_mask)
+        return _ContinuousBatchingBinding(cache, fallback)
     if isinstance(cache, Cache):
-        paged = _paged_layer_of(cache, layer)
-        binding = _StoreBinding(cache, paged, attention_mask)
-        layer.kv = paged.store
-        return binding
+        return _StoreBinding(layer, cache, attention_mask, fallback)
     raise TypeError(f"paged attention: unsupported cache object {type(cache).__name__} (expected a transformers Cache)")
 
 
-def looks_like_attention(module: nn.Module) -> bool:
-    """An HF self-attention module: a layer index, and a forward that writes K/V through
-    ``cache.update(..., kwargs=...)`` and dispatches through ``ALL_ATTENTION_FUNCTIONS``."""
-    if isinstance(module, PagedAttention) or not hasattr(module, "layer_idx") or not hasattr(module, "config"):
-        return False
-    if not getattr(module, "is_causal", True):
-        return False
-    key_dim, value_dim = getattr(module, "qk_head_dim", None), getattr(module, "v_head_dim", None)
-    if getattr(module, "kv_lora_rank", None) or (key_dim is not None and value_dim is not None and key_dim != value_dim):
-        return False  # latent attention (DeepSeek's MLA): low-rank K/V with their own head layout
+def attention_refusal(module: nn.Module) -> str | None:
+    """Why ``module`` is not a self-attention module paged attention can serve (None: it is one).
+
+    Served: a module with a config whose forward writes K/V through ``cache.update(..., kwargs=...)``
+    and dispatches through ``ALL_ATTENTION_FUNCTIONS``, as transformers' current attention modules do.
+    """
+    if isinstance(module, PagedAttention) or not hasattr(module, "config") or not isinstance(module, nn.Module):
+        return "not an attention module"
     try:
         source = inspect.getsource(inspect.unwrap(type(module).forward))
     except (OSError, TypeError):
-        return False
-    return ".update(" in source and "kwargs=kwargs" in source and "ALL_ATTENTION_FUNCTIONS" in source
+        return "not an attention module"
+    if "ALL_ATTENTION_FUNCTIONS" not in source or ".update(" not in source:
+        return "not an attention module"
+    if not getattr(module, "is_causal", True):
+        return "not causal (bidirectional or cross-attention)"
+    key_dim, value_dim = getattr(module, "qk_head_dim", None), getattr(module, "v_head_dim", None)
+    if getattr(module, "kv_lora_rank", None) or (key_dim is not None and value_dim is not None and key_dim != value_dim):
+        return "latent attention (low-rank K/V with their own head layout, as DeepSeek's MLA)"
+    if "kwargs=kwargs" not in source:
+        return "its forward does not pass its kwargs to cache.update, so the paged batch cannot reach its attention"
+    return None
+
+
+def looks_like_attention(module: nn.Module) -> bool:
+    return attention_refusal(module) is None
+
+
+def paging_changes(model: nn.Module, *, block_size: int = 16) -> tuple[list[Change], list[tuple[str, nn.Module, str]]]:
+    """Make every servable self-attention module of ``model`` paged, in place.
+
+    Returns the changes (applied) and the attention-like modules left, ``(path, module, reason)``.
+    """
+    register_attention_function()
+    layer_class = resolve("paged_attention")
+    changes: list[Change] = []
+    left: list[tuple[str, nn.Module, str]] = []
+    for path, module in list(model.named_modules()):
+        if not path:
+            continue
+        reason = attention_refusal(module)
+        if reason is not None:
+            if reason != "not an attention module" and not isinstance(module, PagedAttention):
+                left.append((path, module, reason))
+            continue
+        config = copy.copy(module.config)
+        setattr(config, _FALLBACK_ATTRIBUTE, module.config._attn_implementation)
+        config._attn_implementation_internal = ATTENTION_NAME
+        original = type(module).__name__
+
+        def apply(module: nn.Module = module, config: Any = config) -> None:
+            layer_class.adopt(module, bind_cache=bind_cache, attention_config=config, block_size=block_size)
+
+        def undo(module: nn.Module = module) -> None:
+            PagedAttention.release(module)
+
+        apply()
+        changes.append(Change("attention", path, original, layer_class.__name__,
+                              "K/V in a paged cache: write_kv_cache + paged_attention", apply, undo))
+    if changes:
+        _install_pages_first(model)
+    return changes, left
+
+
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
+_hooks: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+
+def _install_pages_first(model: nn.Module) -> None:
+    """Before a forward that receives a cache, put the paged views into the slots paged modules own.
+
+    transformers builds the attention masks (and reads padding into them) from the cache's layers
+    before any attention module runs, so the slots must already be paged when it does: a static
+    cache's masks, for one, span its whole capacity, which a paged view does not. The hook goes on
+    every ancestor of a paged module whose forward takes a cache (the model and its base model).
+    """
+    paths = [path for path, m in model.named_modules() if isinstance(m, PagedAttention)]
+    ancestors = {""} | {path.rsplit(".", depth)[0] for path in paths for depth in range(1, path.count(".") + 1)}
+    for path in sorted(ancestors):
+        module = model.get_submodule(path)
+        if module in _hooks:
+            continue
+        try:
+            names = inspect.signature(type(module).forward).parameters
+        except (TypeError, ValueError):
+            continue
+        if not any(name in names for name in _CACHE_ARGUMENTS):
+            continue
+        attention = [m for m in module.modules() if isinstance(m, PagedAttention)]
+
+        def install(mod: nn.Module, args: tuple, kwargs: dict, attention: list = attention) -> None:
+            from transformers.cache_utils import Cache
+
+            cache = next((kwargs[n] for n in _CACHE_ARGUMENTS if kwargs.get(n) is not None), None)
+            if isinstance(cache, Cache):
+                for layer in attention:
+                    index = getattr(layer, "layer_idx", None)
+                    if isinstance(layer, PagedAttention) and isinstance(index, int):
+                        paged_layer_of(cache, index, layer.block_size, layer.passes_window)
+
+        _hooks[module] = module.register_forward_pre_hook(install, with_kwargs=True)
 
 
 def enable_paged_attention(model: nn.Module, *, block_size: int = 16) -> list[str]:
@@ -358,33 +539,23 @@ def enable_paged_attention(model: nn.Module, *, block_size: int = 16) -> list[st
 
     Returns the paths of the modules replaced (already swapped ones are skipped, so calling it again
     is harmless). ``block_size`` is the page size of the caches the layers allocate for
-    ``generate()``; continuous batching uses its own cache's page size.
+    ``generate()``; continuous batching uses its own cache's page size. ``rewire`` does this and
+    verifies the result; called alone, nothing is verified.
     """
-    register_attention_function()
-    layer_class = resolve("paged_attention")
-    replaced = []
-    for path, module in list(model.named_modules()):
-        if not path or not looks_like_attention(module):
-            continue
-        config = copy.copy(module.config)
-        setattr(config, _FALLBACK_ATTRIBUTE, module.config._attn_implementation)
-        config._attn_implementation_internal = ATTENTION_NAME
-        parent_path, _, name = path.rpartition(".")
-        layer = layer_class(module, bind_cache=bind_cache, attention_config=config, block_size=block_size)
-        setattr(model.get_submodule(parent_path), name, layer)
-        replaced.append(path)
-    return replaced
+    changes, _ = paging_changes(model, block_size=block_size)
+    for change in changes:
+        change.release()
+    return [change.path for change in changes]
 
 
 def disable_paged_attention(model: nn.Module) -> list[str]:
-    """Undo :func:`enable_paged_attention`: put the original modules (and their configs) back."""
+    """Undo :func:`enable_paged_attention`: the modules' own classes (and configs) again."""
     restored = []
     for path, module in list(model.named_modules()):
-        if not isinstance(module, PagedAttention):
-            continue
-        original = module.wrapped
-        original.config = module.original_config
-        parent_path, _, name = path.rpartition(".")
-        setattr(model.get_submodule(parent_path), name, original)
-        restored.append(path)
+        if isinstance(module, PagedAttention):
+            PagedAttention.release(module)
+            restored.append(path)
+        handle = _hooks.pop(module, None)
+        if handle is not None:
+            handle.remove()
     return restored

@@ -34,6 +34,7 @@ from torch import nn
 from ..layers import resolve
 from .detect import MLPSpec, NormSpec, detect_gated_mlp, detect_rms_norm
 from .report import RewireReport
+from .changes import Change
 from .rewire import rewire
 
 
@@ -115,6 +116,7 @@ def _norm_adapter(cls: type, specs: list[NormSpec]) -> type | None:
         weight = getattr(original, first.weight_name) if first.weight_name else None
         base.__init__(self, weight.shape[0] if weight is not None else 1, getattr(original, first.eps_attribute),
                       first.numerics, has_weight=weight is not None)
+        self.__dict__[_ORIGINAL] = (original, {first.weight_name: "weight"} if first.weight_name else {})
 
     return type(cls.__name__, (base,), {"__init__": __init__, "__module__": __name__, "replaces": cls})
 
@@ -130,6 +132,7 @@ def _mlp_adapter(cls: type, spec: MLPSpec) -> type:
             raise RuntimeError(f"{cls.__name__} built with these arguments is not a gated MLP: {found}")
         base.__init__(self, found.hidden_size, found.intermediate_size, found.activation, bias=found.bias,
                       down_bias=found.down_bias)
+        self.__dict__[_ORIGINAL] = (original, found)
 
     return type(cls.__name__, (base,), {"__init__": __init__, "__module__": __name__, "replaces": cls})
 
@@ -186,12 +189,57 @@ def _patched(patches: _Patches) -> Iterator[None]:
         unregister_patch_mapping(list(patches.classes))
 
 
+#: Where an adapter keeps the HF module it stands for (built on meta, weightless until undone).
+_ORIGINAL = "_hw_agnostic_original"
+
+
+def construction_changes(model: nn.Module) -> list[Change]:
+    """The layers built at construction, as changes verification can undo: undoing one puts the
+    HF module back, its weights shared with (or views of) the layer's, so nothing is copied."""
+    changes: list[Change] = []
+    for path, module in list(model.named_modules()):
+        original_and_spec = module.__dict__.get(_ORIGINAL)
+        if original_and_spec is None or not path:
+            continue
+        original, spec = original_and_spec
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        kind = "mlp" if isinstance(spec, MLPSpec) else "norm"
+        apply, undo = _materialized_swap(parent, name, module, original, spec)
+        # The class's checkpoint-conversion mapping (registered by prepare()) saves these under the original keys.
+        changes.append(Change(kind, path, type(original).__name__, type(module).__mro__[1].__name__,
+                              "built at construction", apply, undo))
+    return changes
+
+
+def _materialized_swap(parent: nn.Module, name: str, layer: nn.Module, original: nn.Module, spec: Any) -> tuple:
+    def materialize() -> nn.Module:
+        if isinstance(spec, MLPSpec):
+            inter = spec.intermediate_size
+            state = {f"{spec.down}.weight": layer.down_proj.weight}
+            if spec.down_bias:
+                state[f"{spec.down}.bias"] = layer.down_proj.bias
+            for suffix in ("weight", "bias") if spec.bias else ("weight",):
+                merged = getattr(layer.gate_up_proj, suffix)
+                if spec.gate_up:
+                    state[f"{spec.gate_up}.{suffix}"] = merged
+                else:
+                    grad = merged.requires_grad
+                    state[f"{spec.gate}.{suffix}"] = nn.Parameter(merged.data[:inter], requires_grad=grad)
+                    state[f"{spec.up}.{suffix}"] = nn.Parameter(merged.data[inter:], requires_grad=grad)
+        else:
+            state = {hf_name: getattr(layer, ours) for hf_name, ours in spec.items()}
+        original.load_state_dict(state, strict=True, assign=True)
+        return original
+
+    def apply() -> None:
+        setattr(parent, name, layer)
+
+    def undo() -> None:
+        setattr(parent, name, materialize())
+
+    return apply, undo
+
+
 def _finish(model: nn.Module, patches: _Patches) -> RewireReport:
-    built = RewireReport()
-    for path, module in model.named_modules():
-        replaced = getattr(type(module), "replaces", None)
-        if replaced is not None:
-            built.add("replaced", path, replaced, type(module).__mro__[1].__name__, "built at construction")
-    after = rewire(model, merge_qkv=False)
-    built.entries += after.entries
-    return built
+    return rewire(model, merge_qkv=False, changes=construction_changes(model))

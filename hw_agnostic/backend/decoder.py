@@ -5,7 +5,9 @@ runs the residual add and ``post_norm`` as one ``fused_add_rms_norm``. Sandwich-
 fuses the add after ``post_attention_norm`` with ``pre_mlp_norm``. Post-norm (OLMo-2) has no
 norm after its residual adds, so there is nothing to fuse. Attention is called with exactly the
 keywords the layer's own forward passes it (checked when the layout was detected), and the
-original forward still runs in training mode, where the layer's dropouts matter.
+original forward still runs in training mode, where the layer's dropouts matter. A norm that is
+not (or no longer) the library's ``RMSNorm`` is called unfused, so verification may undo norms and
+fused layers independently.
 """
 
 from __future__ import annotations
@@ -15,15 +17,24 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from ..layers import RMSNorm
 from .detect import DecoderLayout
 
 FUSABLE = ("pre_norm", "sandwich")
 
 
+def add_and_norm(norm: nn.Module, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+    """``(norm(residual + x), residual + x)``, in one pass when ``norm`` is ours."""
+    if isinstance(norm, RMSNorm):
+        return norm(x, residual)
+    summed = residual + x
+    return norm(summed), summed
+
+
 def install_fused_forward(layer: nn.Module, layout: DecoderLayout, signature_defaults: dict[str, Any]) -> None:
     if layout.name not in FUSABLE:
         raise ValueError(f"layout {layout.name!r} has no fused forward")
-    original = layer.forward
+    original = type(layer).forward.__get__(layer)
     roles = dict(layout.roles)
     named = layout.attention_params
     hidden_param = layout.hidden_param
@@ -46,10 +57,13 @@ def install_fused_forward(layer: nn.Module, layout: DecoderLayout, signature_def
         role = {name: getattr(self, child) for name, child in roles.items()}
         h = role["attention"](hidden_states=role["input_norm"](hidden), **attention_kwargs(rest, kwargs))[0]
         if sandwich:
-            h, residual = role["pre_mlp_norm"](role["post_attention_norm"](h), hidden)
+            h, residual = add_and_norm(role["pre_mlp_norm"], role["post_attention_norm"](h), hidden)
             return residual + role["post_mlp_norm"](role["mlp"](h))
-        h, residual = role["post_attention_norm"](h, hidden)
+        h, residual = add_and_norm(role["post_attention_norm"], h, hidden)
         return residual + role["mlp"](h)
 
     layer.forward = types.MethodType(forward, layer)
-    layer._hw_agnostic_original_forward = original
+
+
+def remove_fused_forward(layer: nn.Module) -> None:
+    layer.__dict__.pop("forward", None)

@@ -68,6 +68,10 @@ def detect_rms_norm(module: nn.Module) -> NormSpec | NotDetected | None:
             return NotDetected(f"has parameters {sorted(params)}: not an RMS norm (a LayerNorm has a bias)")
         return None
     weight_name = next(iter(params), None)
+    extra = _extra_inputs(module)
+    if extra:
+        reason = f"its forward takes more than the input ({', '.join(extra)}): not a plain RMS norm"
+        return NotDetected(reason) if weight_name else None
     hidden = params[weight_name].shape[0] if weight_name else 16
     eps = _traced_eps(module, weight_name, hidden)
     if isinstance(eps, NotDetected):
@@ -79,6 +83,15 @@ def detect_rms_norm(module: nn.Module) -> NormSpec | NotDetected | None:
         (name for name, value in vars(module).items() if isinstance(value, float) and value == eps), None
     )
     return NormSpec(hidden, eps, numerics, weight_name, eps_attribute)
+
+
+def _extra_inputs(module: nn.Module) -> list[str]:
+    """The forward's parameters after the input (a gated norm's ``gate``): a one-input probe would miss them."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[2:]
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind is not p.VAR_KEYWORD]
 
 
 def _call_with(module: nn.Module, weight_name: str | None, x: Tensor, weight: Tensor | None) -> Any:

@@ -47,6 +47,7 @@ from ..layers.moe import MoE, RoutingSpec, route
 from ..ops import checks
 from ..ops.fused_experts import fused_experts, gated_reference
 from ..tolerances import mismatch
+from .changes import Change
 from .detect import NotDetected
 from .report import RewireReport
 
@@ -134,14 +135,27 @@ def _detect_experts(module: nn.Module) -> ExpertsSpec | NotDetected:
     return ExpertsSpec(activation, interleaved, bool(module.is_transposed), bool(module.has_bias), alpha, limit)
 
 
+#: Experts modules switched back to the implementation the model had (undone by verification).
+_declined: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_PREVIOUS_ATTRIBUTE = "_hw_agnostic_previous_experts"
+
+
+def _model_implementation(module: nn.Module) -> Callable[..., Any]:
+    """The experts implementation ``module``'s model had before ours was selected."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    name = getattr(module.config, _PREVIOUS_ATTRIBUTE, "grouped_mm")
+    own = getattr(type(module).forward, "__wrapped__", None)  # the class's own per-expert loop ("eager")
+    return ALL_EXPERTS_FUNCTIONS.get_interface(name, own)
+
+
 def hw_agnostic_experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
                                 top_k_weights: Tensor) -> Tensor:
     """The ``ExpertsInterface`` implementation: ``fused_experts`` on the module's own weights."""
-    from transformers.integrations.moe import grouped_mm_experts_forward
-
     spec = detect_experts(module)
-    if isinstance(spec, NotDetected) or _needs_autograd(hidden_states, top_k_weights, module.gate_up_proj):
-        return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    if (module in _declined or isinstance(spec, NotDetected)
+            or _needs_autograd(hidden_states, top_k_weights, module.gate_up_proj)):
+        return _model_implementation(module)(module, hidden_states, top_k_index, top_k_weights)
     dtype = module.gate_up_proj.dtype  # transformers casts the input to the weights' dtype too
     out = fused_experts(
         hidden_states.to(dtype), module.gate_up_proj, module.down_proj, top_k_weights, top_k_index,
@@ -296,6 +310,10 @@ _previous_implementation: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.We
 
 
 def _select_implementation(model: nn.Module, experts: list[nn.Module]) -> None:
+    for module in experts:
+        config = getattr(module, "config", None)
+        if config is not None and not hasattr(config, _PREVIOUS_ATTRIBUTE):
+            setattr(config, _PREVIOUS_ATTRIBUTE, config._experts_implementation)
     if hasattr(model, "set_experts_implementation") and hasattr(model, "get_experts_implementation"):
         _previous_implementation.setdefault(model, model.get_experts_implementation())
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
@@ -305,17 +323,16 @@ def _select_implementation(model: nn.Module, experts: list[nn.Module]) -> None:
             config._experts_implementation_internal = EXPERTS_IMPLEMENTATION
 
 
-def enable_fused_experts(
-    model: nn.Module, *, routing: bool = True, verify: bool = True, report: RewireReport | None = None
-) -> RewireReport:
+def experts_changes(model: nn.Module, *, routing: bool = True, verify: bool = True,
+                    report: RewireReport | None = None) -> list[Change]:
     """Run ``model``'s MoE experts with ``fused_experts`` and its routers with ``moe_route``, in place.
 
-    Returns the report (``report`` if given, so the backend can collect one for the whole rewire):
-    one ``replaced`` entry per experts module and router switched, one ``left`` entry with the
-    reason for each one that keeps transformers' code.
+    Returns the changes (applied); modules that keep transformers' code are listed in ``report``
+    as left, with the reason.
     """
     report = report if report is not None else RewireReport()
     register_experts_implementation()
+    changes: list[Change] = []
     selected = []
     for path, module in model.named_modules():
         if is_hf_experts(module):
@@ -324,40 +341,70 @@ def enable_fused_experts(
                 report.add("left", path, module, detail=f"experts keep transformers' grouped_mm: {spec.reason}")
                 continue
             selected.append(module)
+            _declined.discard(module)
             experts = module.gate_up_proj.shape[0]
-            report.add("replaced", path, module, f"experts_implementation={EXPERTS_IMPLEMENTATION!r}",
-                       f"{spec.describe()}, {experts} experts")
+            changes.append(Change(
+                "experts", path, type(module).__name__, f"experts_implementation={EXPERTS_IMPLEMENTATION!r}",
+                f"{spec.describe()}, {experts} experts",
+                (lambda m=module: _declined.discard(m)), (lambda m=module: _declined.add(m)),
+            ))
         elif routing and isinstance(getattr(module, "weight", None), Tensor) and hasattr(module, "top_k"):
-            _switch_router(path, module, report, verify)
+            change = _switch_router(path, module, report, verify)
+            if change is not None:
+                changes.append(change)
     if selected:
         _select_implementation(model, selected)
+    return changes
+
+
+def enable_fused_experts(
+    model: nn.Module, *, routing: bool = True, verify: bool = True, report: RewireReport | None = None
+) -> RewireReport:
+    """Run ``model``'s MoE experts with ``fused_experts`` and its routers with ``moe_route``, in place.
+
+    Returns the report (``report`` if given): one ``replaced`` entry per experts module and router
+    switched, one ``left`` entry with the reason for each one that keeps transformers' code.
+    ``rewire`` does this and verifies the whole model; called alone, only each router is checked.
+    """
+    report = report if report is not None else RewireReport()
+    for change in experts_changes(model, routing=routing, verify=verify, report=report):
+        report.add("replaced", change.path, change.original, change.result, change.detail)
+        change.release()
     return report
 
 
-def _switch_router(path: str, module: nn.Module, report: RewireReport, verify: bool) -> None:
+def _switch_router(path: str, module: nn.Module, report: RewireReport, verify: bool) -> Change | None:
     if hasattr(type(module), "_hw_agnostic_form"):
-        return  # switched already
+        return None  # switched already
     form = router_form(module)
     if form is None:
         report.add("left", path, module, detail="router code is none of the families moe_route implements")
-        return
-    routed = _routed_class(type(module), form)
+        return None
+    base = type(module)
+    routed = _routed_class(base, form)
     problem = _router_disagreement(module, routed) if verify else None
     if problem is not None:
         report.add("left", path, module, detail=f"moe_route disagreed with this router: {problem}")
-        return
+        return None
     module.__class__ = routed
     spec = form.spec(module)
-    report.add("replaced", path, type(module)._hw_agnostic_base, routed.__name__,
-               f"moe_route {spec.scoring}, top-{spec.top_k}" + (", renormalized" if spec.renormalize else "")
-               + (f", groups {spec.topk_group}/{spec.n_group}" if spec.n_group > 1 else ""))
+    detail = (f"moe_route {spec.scoring}, top-{spec.top_k}" + (", renormalized" if spec.renormalize else "")
+              + (f", groups {spec.topk_group}/{spec.n_group}" if spec.n_group > 1 else ""))
+
+    def apply() -> None:
+        module.__class__ = routed
+
+    def undo() -> None:
+        module.__class__ = base
+
+    return Change("router", path, base.__name__, routed.__name__, detail, apply, undo)
 
 
 def disable_fused_experts(model: nn.Module) -> None:
     """Undo :func:`enable_fused_experts`: transformers' routers and experts implementation again."""
     for module in model.modules():
         base = getattr(type(module), "_hw_agnostic_base", None)
-        if base is not None:
+        if base is not None and hasattr(type(module), "_hw_agnostic_form"):
             module.__class__ = base
     previous = _previous_implementation.pop(model, None)
     if previous is not None:
@@ -430,6 +477,7 @@ __all__ = [
     "detect_experts",
     "disable_fused_experts",
     "enable_fused_experts",
+    "experts_changes",
     "hw_agnostic_experts_forward",
     "is_hf_experts",
     "moe_layer_from_hf",

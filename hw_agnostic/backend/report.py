@@ -20,11 +20,18 @@ class Entry:
 @dataclasses.dataclass
 class RewireReport:
     entries: list[Entry] = dataclasses.field(default_factory=list)
+    #: what whole-model verification found (:class:`hw_agnostic.backend.verify.Outcome`), if it ran
+    verification: Any = None
 
     def add(self, kind: str, path: str, original: Any, result: str = "", detail: str = "") -> None:
-        """``original``: the module found at ``path``, or its class."""
-        cls = original if isinstance(original, type) else type(original)
-        self.entries.append(Entry(kind, path, cls.__name__, result, detail))
+        """``original``: the module found at ``path``, its class, or its class name."""
+        if not isinstance(original, str):
+            original = (original if isinstance(original, type) else type(original)).__name__
+        self.entries.append(Entry(kind, path, original, result, detail))
+
+    def retract(self, path: str) -> None:
+        """Drop the ``replaced``/``fused`` entries at ``path`` (a change that was undone later)."""
+        self.entries = [e for e in self.entries if e.kind == "left" or e.path != path]
 
     @property
     def replaced(self) -> list[Entry]:
@@ -64,6 +71,8 @@ class RewireReport:
 
         summary = (f"{len(self.replaced)} replaced, {len(self.fused)} decoder layers fused, "
                    f"{len(self.left)} left as they were")
+        if self.verification is not None:
+            summary += f"; {self.verification.describe()}"
         return "\n".join([summary, line(headers), line(tuple("-" * w for w in widths)), *map(line, rows)])
 
     def __str__(self) -> str:

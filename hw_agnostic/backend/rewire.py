@@ -1,28 +1,33 @@
 """``rewire(model)``: move an already-built Hugging Face model onto hw_agnostic layers, in place.
 
-1. Every module that computes an RMS norm becomes :class:`~hw_agnostic.layers.RMSNorm` (sharing
-   the module's weight: nothing is copied), with the eps and numerics read from that instance.
-2. Every module that computes ``down(act(gate(x)) * up(x))`` becomes a
-   :class:`~hw_agnostic.layers.GatedMLP` with one merged gate/up weight (built one layer at a time,
-   so only one layer's gate and up weights exist twice, briefly); the down projection is reused.
-3. Three sibling linears that read the same tensor (q, k, v) get one merged projection.
-   Self-attention modules become paged-attention layers: K/V go to a paged cache through
-   ``write_kv_cache`` and attention runs in ``paged_attention``, for ``generate()`` and
-   continuous batching alike.
-4. Decoder layers with a pre-norm or sandwich-norm residual layout get a forward that runs the
-   residual add and the next norm as one ``fused_add_rms_norm``.
-5. Mixture-of-experts layers run their experts with ``fused_experts`` (through transformers'
-   ``ExpertsInterface``) and their routers with ``moe_route``.
+Rewiring walks one ordered list of rules (:data:`RULES`). Each finds what modules compute (never
+what they are called), builds the replacement from :func:`hw_agnostic.layers.resolve` (so an
+out-of-tree plugin's class is what ends up in the model), and returns it as an applied
+:class:`~hw_agnostic.backend.changes.Change`; what a rule cannot serve goes to the report with the
+reason:
 
-The classes built are the ones :func:`hw_agnostic.layers.resolve` returns, so an out-of-tree
-plugin's replacements are what ends up in the model. Anything not understood is left as it was
-and listed in the report with the reason; when the weights are real (not on meta), each
-replacement is run against the module it replaces on a small input first and kept only if they
-agree within the tolerance table.
+1. ``norms_and_mlps``: RMS norms become :class:`~hw_agnostic.layers.RMSNorm` (sharing the weight),
+   gated MLPs ``down(act(gate(x)) * up(x))`` a :class:`~hw_agnostic.layers.GatedMLP` with one
+   merged gate/up weight.
+2. ``qkv``: three sibling linears that read the same tensor get one merged projection.
+3. ``attention``: self-attention modules become paged-attention layers (``write_kv_cache`` +
+   ``paged_attention``, for ``generate()`` and continuous batching alike).
+4. ``fused``: decoder layers with a pre-norm or sandwich-norm residual layout run the residual add
+   and the next norm as one ``fused_add_rms_norm``.
+5. ``experts``: mixture-of-experts layers run ``fused_experts`` and their routers ``moe_route``.
+
+Each norm, MLP, q/k/v merge and router is first checked alone against the module it replaces.
+Then (``verify=True``, the default) the whole model is checked: :mod:`hw_agnostic.backend.verify`
+runs the original and the rewired model on a probe (a padded batch's prefill through the model's
+own cache, then cached decode steps) and compares logits with the tolerance table; on
+disagreement it finds the changes responsible, undoes them, and reports them as left with the
+measured error. Merged weights are the only new tensors, and the originals they replace become
+views of them, so the original modules are kept (until verified) at no weight memory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from collections.abc import Callable
@@ -33,9 +38,10 @@ from torch import nn
 
 from ..layers import CustomOp, PagedAttention, PluggableLayer, RMSNorm, resolve
 from ..tolerances import mismatch
-from .attention import enable_paged_attention
-from .decoder import FUSABLE, install_fused_forward
-from .experts import enable_fused_experts
+from . import checkpoint
+from .attention import paging_changes
+from .changes import Change, swap
+from .decoder import FUSABLE, install_fused_forward, remove_fused_forward
 from .detect import (
     MLPSpec,
     NormSpec,
@@ -47,9 +53,18 @@ from .detect import (
     looks_like_decoder_layer,
     looks_like_mlp,
 )
+from .experts import experts_changes
 from .report import RewireReport
+from .verify import Verification
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    verify: bool
+    probe: Callable[[], Any] | None
+    block_size: int = 16
 
 
 def rewire(
@@ -62,6 +77,7 @@ def rewire(
     verify: bool = True,
     verbose: bool = False,
     probe: Callable[[], Any] | None = None,
+    changes: list[Change] | None = None,
 ) -> RewireReport:
     """Rewire ``model`` in place and return what was done.
 
@@ -72,51 +88,91 @@ def rewire(
         fuse: fuse residual adds into the following norm in recognised decoder layers.
         experts: run mixture-of-experts layers with ``fused_experts`` and their routers with
             ``moe_route`` (see :mod:`hw_agnostic.backend.experts`).
-        verify: run each replacement against the module it replaces first (skipped on meta).
+        verify: check each replacement against the module it replaces, then the whole rewired model
+            against the original (see :mod:`hw_agnostic.backend.verify`), undoing what disagrees.
+            With weights on the meta device this happens on the first forward with real weights.
         verbose: print the report as a table.
         probe: runs one forward of ``model`` for the q/k/v dataflow probe; by default a 4-token
             ``model(input_ids=...)`` call.
+        changes: changes already made to ``model`` (the construction-time path), verified with the rest.
     """
     report = RewireReport()
-    replaced: set[str] = set()
-    for path, module in list(model.named_modules()):
-        if not path or any(path.startswith(done + ".") for done in replaced):
-            continue
-        parent_path, _, name = path.rpartition(".")
-        parent = model.get_submodule(parent_path)
-        new = _replacement(path, module, report, verify)
-        if new is not None:
-            setattr(parent, name, new)
-            replaced.add(path)
-    if merge_qkv:
-        _merge_qkv(model, report, probe or _default_probe(model), verify)
-    if attention:
-        _page_attention(model, report)
-    if fuse:
-        _fuse_decoder_layers(model, report)
-    if experts:
-        enable_fused_experts(model, verify=verify, report=report)
+    prior = list(changes or [])
+    verification = Verification(model, prior) if verify else None
+    options = Options(verify=verify, probe=probe)
+    enabled = {"norms_and_mlps": True, "qkv": merge_qkv, "attention": attention, "fused": fuse, "experts": experts}
+    made = list(prior)
+    for name, rule in RULES:
+        if enabled[name]:
+            made += rule(model, report, options)
+    if verification is not None:
+        verification.settle(made, report)
+    finish(model, made, report, verification)
     if verbose:
         print(report.table())
     return report
+
+
+def finish(model: nn.Module, made: list[Change], report: RewireReport,
+           verification: Verification | None) -> None:
+    """Report what stands, make ``save_pretrained`` write the original keys, release the originals."""
+    converters: list[Any] = []
+    for change in made:
+        if change.active:
+            report.add("fused" if change.kind == "fused" else "replaced", change.path, change.original,
+                       change.result, change.detail)
+            converters += change.converters
+    checkpoint.install_weight_conversions(model, converters)
+    if verification is None or verification.done:
+        for change in made:
+            change.release()
 
 
 # --------------------------------------------------------------------------------------------
 # norms and MLPs
 
 
-def _replacement(path: str, module: nn.Module, report: RewireReport, verify: bool) -> nn.Module | None:
+def _norms_and_mlps(model: nn.Module, report: RewireReport, options: Options) -> list[Change]:
+    made: list[Change] = []
+    replaced: set[str] = set()
+    for path, module in list(model.named_modules()):
+        if not path or any(path.startswith(done + ".") for done in replaced):
+            continue
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        change = _replacement(parent, name, path, module, report, options.verify)
+        if change is not None:
+            made.append(change)
+            replaced.add(path)
+    return made
+
+
+def _replacement(parent: nn.Module, name: str, path: str, module: nn.Module, report: RewireReport,
+                 verify: bool) -> Change | None:
     if isinstance(module, (CustomOp, PluggableLayer)):
         return None  # ours already (or a plugin's)
     norm = detect_rms_norm(module)
     if isinstance(norm, NormSpec):
-        return _checked(path, module, build_norm(module, norm), report, verify, _describe_norm(norm))
+        new = build_norm(module, norm)
+        problem = _disagreement(module, new) if verify else None
+        if problem is not None:
+            report.add("left", path, module, detail=f"replacement disagreed: {problem}")
+            return None
+        return Change("norm", path, type(module).__name__, type(new).__name__, _describe_norm(norm),
+                      *swap(parent, name, new))
     if isinstance(norm, NotDetected):
         report.add("left", path, module, detail=norm.reason)
         return None
     mlp = detect_gated_mlp(module)
     if isinstance(mlp, MLPSpec):
-        return _checked(path, module, build_mlp(module, mlp), report, verify, _describe_mlp(mlp))
+        new = build_mlp(module, mlp)
+        problem = _disagreement(module, new) if verify else None
+        if problem is not None:
+            report.add("left", path, module, detail=f"replacement disagreed: {problem}")
+            return None
+        share_merged_mlp_weights(module, mlp, new)
+        return Change("mlp", path, type(module).__name__, type(new).__name__, _describe_mlp(mlp),
+                      *swap(parent, name, new), converters=tuple(mlp_converters(path, mlp)))
     if isinstance(mlp, NotDetected) and looks_like_mlp(module):
         report.add("left", path, module, detail=mlp.reason)
     return None
@@ -147,8 +203,9 @@ def build_mlp(module: nn.Module, spec: MLPSpec) -> nn.Module:
     else:
         gate, up = getattr(module, spec.gate), getattr(module, spec.up)
         with torch.no_grad():
-            weight = torch.cat([gate.weight, up.weight], dim=0)
-            bias = torch.cat([gate.bias, up.bias]) if spec.bias else None
+            weight = nn.Parameter(torch.cat([gate.weight, up.weight], dim=0), requires_grad=gate.weight.requires_grad)
+            bias = nn.Parameter(torch.cat([gate.bias, up.bias]), requires_grad=gate.bias.requires_grad) \
+                if spec.bias else None
     layer = resolve("gated_mlp")(
         spec.hidden_size, spec.intermediate_size, spec.activation, bias=spec.bias, down_bias=spec.down_bias,
         device="meta", dtype=down.weight.dtype,
@@ -162,16 +219,29 @@ def build_mlp(module: nn.Module, spec: MLPSpec) -> nn.Module:
     return layer
 
 
-def _checked(
-    path: str, original: nn.Module, new: nn.Module, report: RewireReport, verify: bool, detail: str
-) -> nn.Module | None:
-    if verify:
-        problem = _disagreement(original, new)
-        if problem is not None:
-            report.add("left", path, original, detail=f"replacement disagreed: {problem}")
-            return None
-    report.add("replaced", path, original, type(new).__name__, detail)
-    return new
+def share_merged_mlp_weights(module: nn.Module, spec: MLPSpec, layer: nn.Module) -> None:
+    """Make the original gate/up weights views of the merged one: one copy of the weights, two modules."""
+    if spec.gate_up:
+        return
+    inter = spec.intermediate_size
+    for suffix in ("weight", "bias") if spec.bias else ("weight",):
+        merged = getattr(layer.gate_up_proj, suffix)
+        getattr(module, spec.gate)._parameters[suffix].data = merged.data[:inter]
+        getattr(module, spec.up)._parameters[suffix].data = merged.data[inter:]
+
+
+def mlp_converters(path: str, spec: MLPSpec) -> list[Any]:
+    converters: list[Any] = []
+    suffixes = ("weight", "bias") if spec.bias else ("weight",)
+    if spec.gate_up is None:
+        inter = spec.intermediate_size
+        for suffix in suffixes:
+            converters += checkpoint.merged(path, [f"{spec.gate}.{suffix}", f"{spec.up}.{suffix}"],
+                                            f"gate_up_proj.{suffix}", (inter, inter))
+    else:
+        converters += checkpoint.renamed(path, spec.gate_up, "gate_up_proj")
+    converters += checkpoint.renamed(path, spec.down, "down_proj")
+    return converters
 
 
 def _disagreement(original: nn.Module, new: nn.Module) -> str | None:
@@ -201,12 +271,13 @@ def _default_probe(model: nn.Module) -> Callable[[], Any]:
     return run
 
 
-def _merge_qkv(model: nn.Module, report: RewireReport, probe: Callable[[], Any], verify: bool) -> None:
+def _qkv(model: nn.Module, report: RewireReport, options: Options) -> list[Change]:
     try:
-        groups = detect_shared_inputs(model, probe)
+        groups = detect_shared_inputs(model, options.probe or _default_probe(model))
     except Exception as err:
         report.add("left", "", model, detail=f"q/k/v not merged: the probe forward failed ({type(err).__name__}: {err})")
-        return
+        return []
+    made: list[Change] = []
     for parent_path, names in groups:
         parent = model.get_submodule(parent_path)
         linears = [getattr(parent, n) for n in names]
@@ -220,7 +291,7 @@ def _merge_qkv(model: nn.Module, report: RewireReport, probe: Callable[[], Any],
             report.add("left", path, linears[0], detail="the module already has a 'qkv_proj' attribute")
             continue
         merged = _build_qkv(linears)
-        if verify and not linears[0].weight.is_meta:
+        if options.verify and not linears[0].weight.is_meta:
             x = torch.randn(2, linears[0].in_features, generator=torch.Generator().manual_seed(3))
             x = x.to(linears[0].weight.device, linears[0].weight.dtype)
             with torch.no_grad():
@@ -228,11 +299,37 @@ def _merge_qkv(model: nn.Module, report: RewireReport, probe: Callable[[], Any],
             if any(problems):
                 report.add("left", path, linears[0], detail=f"merged projection disagreed: {problems}")
                 continue
+        made.append(_merge_qkv(parent, parent_path, names, linears, merged))
+    return made
+
+
+def _merge_qkv(parent: nn.Module, parent_path: str, names: list[str], linears: list[nn.Linear],
+               merged: nn.Module) -> Change:
+    parts = merged.parts()
+    start = 0
+    for linear, size in zip(linears, merged.sizes):  # the originals become views of the merged weight
+        linear._parameters["weight"].data = merged.proj.weight.data[start:start + size]
+        if linear.bias is not None:
+            linear._parameters["bias"].data = merged.proj.bias.data[start:start + size]
+        start += size
+
+    def apply() -> None:
         parent.qkv_proj = merged
-        for name, part in zip(names, merged.parts()):
+        for name, part in zip(names, parts):
             setattr(parent, name, part)
-        report.add("replaced", path, linears[0], type(merged).__name__,
-                   f"{'+'.join(names)} -> qkv_proj, sizes {merged.sizes}")
+
+    def undo() -> None:
+        for name, linear in zip(names, linears):
+            setattr(parent, name, linear)
+        del parent.qkv_proj
+
+    apply()
+    sizes = tuple(merged.sizes)
+    converters = checkpoint.merged(parent_path, [f"{n}.weight" for n in names], "qkv_proj.proj.weight", sizes)
+    if linears[0].bias is not None:
+        converters += checkpoint.merged(parent_path, [f"{n}.bias" for n in names], "qkv_proj.proj.bias", sizes)
+    return Change("qkv", f"{parent_path}.{{{','.join(names)}}}", type(linears[0]).__name__, type(merged).__name__,
+                  f"{'+'.join(names)} -> qkv_proj, sizes {merged.sizes}", apply, undo, converters=tuple(converters))
 
 
 def _build_qkv(linears: list[nn.Linear]) -> nn.Module:
@@ -241,43 +338,66 @@ def _build_qkv(linears: list[nn.Linear]) -> nn.Module:
     layer = resolve("qkv_projection")(first.in_features, tuple(l.out_features for l in linears), bias=has_bias,
                                       device="meta", dtype=first.weight.dtype)
     with torch.no_grad():
-        state = {"proj.weight": torch.cat([l.weight for l in linears]).detach()}
+        grad = first.weight.requires_grad
+        state = {"proj.weight": nn.Parameter(torch.cat([l.weight for l in linears]), requires_grad=grad)}
         if has_bias:
-            state["proj.bias"] = torch.cat([l.bias for l in linears]).detach()
+            state["proj.bias"] = nn.Parameter(torch.cat([l.bias for l in linears]), requires_grad=grad)
     layer.load_state_dict(state, strict=True, assign=True)
     return layer
 
 
 # --------------------------------------------------------------------------------------------
-# decoder layers
+# attention, decoder layers, experts
 
 
-def _fuse_decoder_layers(model: nn.Module, report: RewireReport) -> None:
+def _attention(model: nn.Module, report: RewireReport, options: Options) -> list[Change]:
+    made, left = paging_changes(model, block_size=options.block_size)
+    for path, module, reason in left:
+        report.add("left", path, module, detail=f"attention runs as the model defines it: {reason}")
+    return made
+
+
+def _fused(model: nn.Module, report: RewireReport, options: Options) -> list[Change]:
+    made: list[Change] = []
     for path, layer in model.named_modules():
         norms = {name for name, child in layer.named_children() if isinstance(child, RMSNorm)}
-        if not looks_like_decoder_layer(layer, norms) or hasattr(layer, "_hw_agnostic_original_forward"):
+        if not looks_like_decoder_layer(layer, norms) or "forward" in layer.__dict__:
             continue
         hidden = next(getattr(layer, n).hidden_size for n in norms)
         layout = detect_decoder_layout(layer, norms, hidden)
         if isinstance(layout, NotDetected):
             report.add("left", path, layer, detail=f"not fused: {layout.reason}")
             continue
-        attention = layout.roles["attention"]
-        if not isinstance(getattr(layer, attention), PagedAttention):
-            report.add("left", f"{path}.{attention}", getattr(layer, attention),
-                       detail="attention runs as the model defines it")
         if layout.name not in FUSABLE:
             report.add("left", path, layer, detail=f"{layout.name} layout: no norm follows a residual add")
             continue
         params = inspect.signature(type(layer).forward).parameters
         defaults = {name: params[name].default for name in layout.attention_params}
-        install_fused_forward(layer, layout, defaults)
         fused_norm = layout.roles["post_attention_norm" if layout.name == "pre_norm" else "pre_mlp_norm"]
-        report.add("fused", path, layer, layout.name, f"residual add + {fused_norm} -> fused_add_rms_norm")
+
+        def apply(layer: nn.Module = layer, layout: Any = layout, defaults: dict = defaults) -> None:
+            install_fused_forward(layer, layout, defaults)
+
+        def undo(layer: nn.Module = layer) -> None:
+            remove_fused_forward(layer)
+
+        apply()
+        made.append(Change("fused", path, type(layer).__name__, layout.name,
+                           f"residual add + {fused_norm} -> fused_add_rms_norm", apply, undo))
+    return made
 
 
-def _page_attention(model: nn.Module, report: RewireReport) -> None:
-    originals = {path: type(module) for path, module in model.named_modules()}
-    for path in enable_paged_attention(model):
-        report.add("replaced", path, originals[path], type(model.get_submodule(path)).__name__,
-                   "K/V in a paged cache: write_kv_cache + paged_attention")
+def _experts(model: nn.Module, report: RewireReport, options: Options) -> list[Change]:
+    return experts_changes(model, verify=options.verify, report=report)
+
+
+#: The rules, in the order they run (later rules see what earlier ones built).
+RULES: tuple[tuple[str, Callable[[nn.Module, RewireReport, Options], list[Change]]], ...] = (
+    ("norms_and_mlps", _norms_and_mlps),
+    ("qkv", _qkv),
+    ("attention", _attention),
+    ("fused", _fused),
+    ("experts", _experts),
+)
+
+__all__ = ["RULES", "build_mlp", "build_norm", "finish", "rewire"]

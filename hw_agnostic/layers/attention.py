@@ -18,21 +18,19 @@ anywhere, except that a sliding window then counts real tokens only.
 
 :class:`PagedAttention` is the layer. It takes over an attention module that follows the
 Hugging Face pattern (projections, norms and rotary embedding in the module, then
-``cache.update(k, v, layer_idx, kwargs=...)`` and an ``attention_interface(...)`` call) and runs
-that module's own forward with the cache argument replaced by a *binding*: the binding stores
-K/V in paged form and hands the paged batch to the attention function through ``kwargs``
-(:mod:`hw_agnostic.backend.attention` provides the bindings for transformers' caches and the
-attention function). The module's projections, norms and rotary code run unchanged, so what
-differs from Hugging Face is exactly the KV storage and the attention kernel.
-
-The layer shares the wrapped module's children, parameters and buffers (the same dicts), so
-parameter names, ``state_dict`` keys and later rewiring of the projections (``rewire()`` merging
-q/k/v) are the module's own.
+``cache.update(k, v, layer_idx, kwargs=...)`` and an ``attention_interface(...)`` call) by
+switching the module's class, and runs that module's own forward with the cache argument replaced
+by a *binding*: the binding stores K/V in paged form and hands the paged batch to the attention
+function through ``kwargs`` (:mod:`hw_agnostic.backend.attention` provides the bindings for
+transformers' caches and the attention function). The module's projections, norms and rotary code
+run unchanged, so what differs from Hugging Face is exactly the KV storage and the attention kernel;
+the module keeps its parameters, names, hooks and ``isinstance``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any, Optional
@@ -42,7 +40,7 @@ from torch import Tensor, nn
 
 from ..ops.paged_attention import paged_attention
 from ..ops.write_kv_cache import write_kv_cache
-from .base import PluggableLayer
+from .base import PluggableLayer, resolve
 
 #: Keyword through which a binding hands the paged batch to the attention function.
 PAGED_BATCH_KWARG = "hw_agnostic_paged_batch"
@@ -64,6 +62,10 @@ class PagedBatch:
     max_q_len: int
     max_kv_len: int
     query_order: Optional[Tensor] = None
+    # The K/V tensors the cache update returned to the module: the attention call must receive
+    # these very tensors, or the module changed K/V after storing them (and cannot be paged).
+    key_states: Optional[Tensor] = None
+    value_states: Optional[Tensor] = None
 
 
 def attend(
@@ -104,7 +106,8 @@ class PagedKVCache:
         self.batch_size, self.num_kv_heads, self.head_dim = batch_size, num_kv_heads, head_dim
         self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
         self.seen = 0  # positions seen per row, padding included (what Hugging Face counts)
-        self.padded = False  # whether some row may hold fewer tokens than `seen`
+        # [B, seen] bool, which positions hold a real token; None while every position does
+        self.real: Optional[Tensor] = None
         self.blocks_per_row = 0
         self.k_pages = self.v_pages = self.block_table = None
         self.kv_lens = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
@@ -161,7 +164,7 @@ class PagedKVCache:
             slots = torch.where(real, self._row_start[:, None] + positions, -1)
             counts = real.sum(1, dtype=torch.int32)
             self.kv_lens += counts
-            self.padded = True
+        self._remember(real, q_len)
         write_kv_cache(
             key.reshape(batch_size * q_len, self.num_kv_heads, self.head_dim),
             value.reshape(batch_size * q_len, self.num_kv_heads, self.head_dim),
@@ -177,12 +180,51 @@ class PagedKVCache:
             order = torch.argsort((~real).reshape(-1).to(torch.int8), stable=True)
         return PagedBatch(self.k_pages, self.v_pages, self.block_table, cu, self.kv_lens, q_len, self.seen, order)
 
+    def _remember(self, real: Optional[Tensor], q_len: int) -> None:
+        """Keep which positions are real once a step has padding (for crop and for reading back)."""
+        if real is None and self.real is None:
+            return
+        if self.real is None:
+            self.real = torch.ones(self.batch_size, self.seen, dtype=torch.bool, device=self.device)
+        step = real if real is not None else torch.ones(self.batch_size, q_len, dtype=torch.bool, device=self.device)
+        self.real = torch.cat([self.real, step], dim=1)
+
+    @property
+    def padded(self) -> bool:
+        """Whether some row may hold fewer tokens than :attr:`seen`."""
+        return self.real is not None
+
+    def read(self) -> tuple[Tensor, Tensor]:
+        """Every position's K and V in Hugging Face's layout ``[B, Hkv, seen, D]`` (zeros at padding).
+
+        What transformers' own cache layer would return from ``update``: the fallback path (attention
+        weights, gradients) and ``cache.layers[i].keys`` read the pages through it.
+        """
+        shape = (self.batch_size, self.seen, self.num_kv_heads, self.head_dim)
+        if self.k_pages is None or self.seen == 0:
+            empty = torch.zeros(shape, dtype=self.dtype, device=self.device).transpose(1, 2)
+            return empty, empty.clone()
+        assert self._row_start is not None
+        if self.real is None:
+            slots = self._row_start[:, None] + torch.arange(self.seen, device=self.device)
+        else:
+            slots = torch.where(self.real, self._row_start[:, None] + self.real.cumsum(1) - 1, -1)
+        flat_k = self.k_pages.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = self.v_pages.view(-1, self.num_kv_heads, self.head_dim)
+        keys, values = flat_k[slots.clamp(min=0)], flat_v[slots.clamp(min=0)]
+        if self.real is not None:
+            pad = ~self.real[:, :, None, None]
+            keys, values = keys.masked_fill(pad, 0), values.masked_fill(pad, 0)
+        return keys.transpose(1, 2), values.transpose(1, 2)
+
     # -- batch operations (beam search, sampling several sequences, assisted decoding) ----------
 
     def select(self, index: Tensor) -> None:
         """Keep rows ``index`` (in that order; repeats allowed): a physical copy, so rows can diverge."""
         index = index.to(self.device)
         self.kv_lens = self.kv_lens[index]
+        if self.real is not None:
+            self.real = self.real[index]
         if self.k_pages is not None:
             shape = (self.batch_size, self.blocks_per_row, *self.k_pages.shape[1:])
             self.k_pages = self.k_pages.view(shape)[index].flatten(0, 1)
@@ -195,84 +237,183 @@ class PagedKVCache:
         self.select(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
 
     def crop(self, tokens: int) -> None:
-        """Forget the last ``tokens`` positions (assisted decoding)."""
+        """Forget the last ``tokens`` positions (assisted and speculative decoding)."""
+        tokens = min(tokens, self.seen)
         if tokens <= 0:
             return
-        if self.padded:
-            raise NotImplementedError(
-                "PagedKVCache.crop: the cache holds padded rows, whose real lengths the host does not know; "
-                "cropping them is not supported"
-            )
-        tokens = min(tokens, self.seen)
         self.seen -= tokens
-        self.kv_lens -= tokens
+        if self.real is None:
+            self.kv_lens -= tokens
+        else:
+            self.kv_lens -= self.real[:, self.seen:].sum(1, dtype=torch.int32)
+            self.real = self.real[:, : self.seen]
 
     def reset(self) -> None:
         self.seen = 0
-        self.padded = False
+        self.real = None
         self.kv_lens.zero_()
-
 
 # --------------------------------------------------------------------------------------------
 # the layer
 
-#: ``binding(layer, cache, attention_mask, forward_kwargs) -> cache object`` passed to the wrapped
-#: forward: its ``update(k, v, layer_idx, kwargs=...)`` stores K/V and puts the paged batch in kwargs.
-CacheBinding = Callable[["PagedAttention", Any, Optional[Tensor], dict], Any]
+#: ``binding(layer, cache, attention_mask, fallback) -> cache object`` passed to the module's forward:
+#: its ``update(k, v, layer_idx, kwargs=...)`` stores K/V and, on the paged path, puts the paged
+#: batch in ``kwargs``; on the fallback path it returns every position's K/V as transformers would.
+CacheBinding = Callable[["PagedAttention", Any, Optional[Tensor], bool], Any]
+
+@dataclasses.dataclass
+class TransientPages:
+    """Stands for the paged batch in a forward without a cache: the attention function writes the
+    K/V it receives into pages for this forward alone (``page(key, value)``) and attends over them."""
+
+    block_size: int
+    attention_mask: Any
+
+    def page(self, key: Tensor, value: Tensor, real: Optional[Tensor]) -> PagedBatch:
+        """``key`` / ``value`` in transformers' layout ``[B, Hkv, S, D]``."""
+        batch_size, heads, _, head_dim = key.shape
+        store = PagedKVCache(batch_size, heads, head_dim, block_size=self.block_size, dtype=key.dtype,
+                             device=key.device)
+        batch = store.append(key.transpose(1, 2), value.transpose(1, 2), real)
+        batch.key_states, batch.value_states = key, value
+        return batch
+
+
+_CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
+_STATE = "_hw_agnostic_paged"
+
+
+@dataclasses.dataclass
+class _PagedState:
+    bind_cache: CacheBinding
+    attention_config: Any  # what the module dispatches its attention function from while paged
+    original_config: Any
+    block_size: int
+    positional: tuple[str, ...]  # the forward's positional parameter names
+    cache_name: str  # the parameter (or keyword) the cache arrives as
+    # Whether the module passes its sliding window to the attention function. One that does not
+    # gets its window from the cache evicting old tokens, which a paged view does not do.
+    passes_window: bool
+    kv: Optional[PagedKVCache] = None  # this layer's own paged view, for plain (non-batching) caches
+
+
+def _call_shape(forward: Callable[..., Any]) -> tuple[tuple[str, ...], str, bool]:
+    unwrapped = inspect.unwrap(forward)
+    params = list(inspect.signature(unwrapped).parameters.values())[1:]
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = {p.name for p in params}
+    cache_name = next((name for name in _CACHE_NAMES if name in names), "past_key_values")
+    try:
+        passes_window = "sliding_window=" in inspect.getsource(unwrapped)
+    except (OSError, TypeError):
+        passes_window = False
+    return tuple(p.name for p in params if p.kind in kinds), cache_name, passes_window
+
+
+@functools.lru_cache(maxsize=None)
+def _paged_class(layer: type, base: type) -> type:
+    return type(f"Paged{base.__name__}", (layer, base), {
+        "_hw_agnostic_base": base, "__module__": layer.__module__,
+        "__doc__": f"{base.__name__} with its K/V in a paged cache and its attention in paged_attention.",
+    })
 
 
 @PluggableLayer.register("paged_attention")
 class PagedAttention(PluggableLayer):
-    """An HF-style attention module whose KV cache is paged and whose attention is ``paged_attention``.
+    """A Hugging Face attention module whose KV cache is paged and whose attention is ``paged_attention``.
 
-    Args:
-        attention: the module taken over (its forward must call ``cache.update(k, v, layer_idx,
-            kwargs=kwargs)`` and an attention function with ``kwargs``).
-        bind_cache: turns the cache a forward receives into the object the module writes K/V
-            through (see :mod:`hw_agnostic.backend.attention`).
-        attention_config: the config the module dispatches its attention function from (a copy of
-            the model's naming the paged attention function).
-        block_size: tokens per block of the caches this layer allocates.
+    Not constructed: :meth:`adopt` switches an existing module's class to a subclass of both this
+    layer (or the plugin's replacement for it) and the module's own class, so the module keeps its
+    parameters, buffers, hooks, attributes, ``state_dict`` keys and ``isinstance`` (transformers'
+    output recording finds it), and its own forward runs unchanged with the cache argument replaced
+    by a *binding* (see :mod:`hw_agnostic.backend.attention`). :meth:`release` switches it back.
+
+    A call the kernels cannot serve runs the module's own attention over every position's K/V, as
+    transformers would: in training, while gradients are needed, and while attention weights are
+    being recorded (``output_attentions=True``).
     """
 
-    def __init__(self, attention: nn.Module, *, bind_cache: CacheBinding, attention_config: Any,
-                 block_size: int = 16) -> None:
-        super().__init__()
-        # One module, two views: the same children, parameters and buffers (see the module docstring).
-        self._modules = attention._modules
-        self._parameters = attention._parameters
-        self._buffers = attention._buffers
-        object.__setattr__(self, "wrapped", attention)
-        self.training = attention.training
-        self.original_config = attention.config  # restored when the layer is taken out again
-        attention.config = attention_config
-        self.layer_idx = getattr(attention, "layer_idx", None)
-        self.block_size = block_size
-        self.bind_cache = bind_cache
-        self.kv: Optional[PagedKVCache] = None  # the view this layer owns for plain (non-batching) caches
-        self._signature = inspect.signature(type(attention).forward)
-        self._extra_kwargs = next(
-            (p.name for p in self._signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None
-        )
+    _hw_agnostic_base: type
 
-    def train(self, mode: bool = True) -> "PagedAttention":
-        super().train(mode)
-        self.wrapped.train(mode)
-        return self
+    @classmethod
+    def adopt(cls, module: nn.Module, *, bind_cache: CacheBinding, attention_config: Any,
+              block_size: int = 16) -> nn.Module:
+        """Make ``module`` a paged attention layer in place (``cls`` resolved through the registry)."""
+        if isinstance(module, PagedAttention):
+            raise ValueError(f"{type(module).__name__} is paged already")
+        layer = resolve("paged_attention")
+        base = type(module)
+        positional, cache_name, passes_window = _call_shape(base.forward)
+        module.__dict__[_STATE] = _PagedState(bind_cache, attention_config, module.config, block_size, positional,
+                                              cache_name, passes_window)
+        module.__class__ = _paged_class(layer, base)
+        module.config = attention_config
+        return module
+
+    @staticmethod
+    def release(module: nn.Module) -> nn.Module:
+        """Undo :meth:`adopt`: the module's own class and config again."""
+        state: _PagedState = module.__dict__.pop(_STATE)
+        module.__class__ = type(module)._hw_agnostic_base
+        module.config = state.original_config
+        return module
+
+    @property
+    def kv(self) -> Optional[PagedKVCache]:
+        """This layer's paged KV cache for the last plain ``Cache`` it ran with (None before)."""
+        return self.__dict__[_STATE].kv
+
+    @property
+    def block_size(self) -> int:
+        return self.__dict__[_STATE].block_size
+
+    @property
+    def passes_window(self) -> bool:
+        return self.__dict__[_STATE].passes_window
+
+    @property
+    def original_config(self) -> Any:
+        return self.__dict__[_STATE].original_config
+
+    def needs_fallback(self, hidden_states: Any) -> bool:
+        """Whether this call must run the module's own attention (see the class docstring)."""
+        if self.training or recording_attentions():
+            return True
+        if not torch.is_grad_enabled():
+            return False
+        return (isinstance(hidden_states, Tensor) and hidden_states.requires_grad) or any(
+            p.requires_grad for p in self.parameters())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.training:
-            return self.wrapped(*args, **kwargs)
-        bound = self._signature.bind_partial(self.wrapped, *args, **kwargs)
-        arguments = dict(bound.arguments)
-        arguments.pop("self", None)
-        extra = arguments.pop(self._extra_kwargs, {}) if self._extra_kwargs else {}
-        cache = arguments.pop("cache", None)
+        state: _PagedState = self.__dict__[_STATE]
+        if len(args) > len(state.positional):
+            raise TypeError(f"{type(self).__name__}.forward takes {len(state.positional)} positional arguments")
+        arguments = dict(zip(state.positional, args))
+        arguments.update(kwargs)
+        cache = None
+        for name in _CACHE_NAMES:
+            if name in arguments:
+                value = arguments.pop(name)
+                cache = value if cache is None else cache
+        fallback = self.needs_fallback(arguments.get("hidden_states"))
         if cache is None:
-            cache = extra.pop("past_key_values", None)
-        arguments.update(extra)
-        arguments["cache"] = self.bind_cache(self, cache, arguments.get("attention_mask"), arguments)
-        return self.wrapped(**arguments)
+            # No cache: the module's cache code must not run, so its K/V reach the attention
+            # function directly, which pages them for this one forward.
+            if not fallback:
+                arguments[PAGED_BATCH_KWARG] = TransientPages(state.block_size, arguments.get("attention_mask"))
+        else:
+            arguments[state.cache_name] = state.bind_cache(self, cache, arguments.get("attention_mask"), fallback)
+        return type(self)._hw_agnostic_base.forward(self, **arguments)
 
     def extra_repr(self) -> str:
-        return f"layer_idx={self.layer_idx}, block_size={self.block_size}, wraps {type(self.wrapped).__name__}"
+        return f"paged, block_size={self.block_size}"
+
+
+def recording_attentions() -> bool:
+    """Whether transformers is recording attention weights in this forward (``output_attentions=True``)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # an older transformers: it asks the attention function for weights itself
+        return False
+    collected = _active_collector.get()
+    return bool(collected) and "attentions" in collected

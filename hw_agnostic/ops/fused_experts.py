@@ -246,9 +246,8 @@ def _build_fused(key: FusedKey, config: dict, args: tuple) -> object:
         sorted_pairs, block_experts, _ = aligner(topk_ids)
         projected = gate_up(hidden, w_gate_up, sorted_pairs, block_experts, gate_up_bias, None)
         act_op, options = _activation(activation, interleaved, swiglu_alpha, swiglu_limit)
-        # Through the op's plan, not its dispatch: the activation is part of this call, not a call
-        # of its own in trace_dispatch.
-        gated = act_op.plan(projected, *options).run(projected, *options)
+        # A step of this call: traced after it, and forced as it is (see Op.run_inside).
+        gated = act_op.run_inside("fused_experts", projected, *options)
         pair_out = down(gated, w_down, sorted_pairs, block_experts, down_bias, topk_weights.reshape(-1))
         combine(pair_out.view(num_tokens, top_k, key.hidden), out, top_k)
         return out

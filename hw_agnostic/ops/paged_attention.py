@@ -197,6 +197,8 @@ def _paged_attention_shape(
 def _optional_int(op: str, name: str, value: Any, minimum: int) -> None:
     if value is None:
         return
+    if isinstance(value, torch.SymInt):
+        return  # a hint traced symbolically (torch.compile with dynamic shapes): checked when it runs
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{op}: {name} must be an int or None, got {type(value).__name__}")
     if value < minimum:

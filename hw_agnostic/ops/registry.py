@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import os
 import types
@@ -147,6 +148,7 @@ class Op:
         example_inputs: Callable[..., tuple[Any, ...]] | None = None,
         compiled_reference: Callable[[str, Callable[..., Any]], Callable[..., Any]] | None = None,
         fake: Callable[..., Any] | None = None,
+        differentiable: bool = False,
     ) -> None:
         if name in _ops:
             raise ValueError(f"op {name!r} is already registered")
@@ -161,8 +163,14 @@ class Op:
         self.compiled_reference = compiled_reference or CompiledReference
         # The fake implementation: the reference itself unless its output shapes depend on data.
         self.fake = fake or reference
+        # Differentiable ops get a backward: the reference's, recomputed (kernels forward, autograd back).
+        self.differentiable = differentiable
+        names = list(inspect.signature(reference).parameters)
+        self._mutated_positions = tuple(names.index(name) for name in self.mutates_args)
         self.providers: tuple[Provider, ...] = (*providers, _reference_provider(self))
         self._plans: dict[Any, Plan] = {}
+        # Plans of calls made inside another op under that op's forcing (see run_inside).
+        self._inherited_plans: dict[tuple[str, Any], Plan] = {}
         self.torch_op = self._register_custom_op()
         _ops[name] = self
 
@@ -185,6 +193,10 @@ class Op:
             return shapes(*args)
 
         custom.register_fake(fake)
+        if self.differentiable:
+            if self.mutates_args:
+                raise ValueError(f"op {self.name!r} mutates its arguments; it cannot be differentiable")
+            _register_reference_backward(custom, self.reference)
         return getattr(torch.ops.hw_agnostic, self.name).default
 
     # -- dispatch -------------------------------------------------------------------------------
@@ -196,8 +208,13 @@ class Op:
             or isinstance(args[0], FakeTensor)
             or (torch.is_grad_enabled() and _requires_grad(args))
         ):
-            # Traced graphs (dynamo, fx, make_fx) see the custom op; autograd sees an op without a
-            # derivative, which raises a clear error on backward instead of returning no gradient.
+            # Traced graphs (dynamo, fx, make_fx) see the custom op; autograd sees its backward
+            # (differentiable ops) or an op without a derivative, which raises on backward.
+            if torch.is_grad_enabled() and any(_requires_grad((args[i],)) for i in self._mutated_positions):
+                raise RuntimeError(
+                    f"{self.name} writes {', '.join(self.mutates_args)} in place and has no backward, but an argument "
+                    "it writes requires grad; use the out-of-place form, or call it under torch.no_grad()"
+                )
             return self.torch_op(*args)
         return self.dispatch(*args)
 
@@ -214,6 +231,29 @@ class Op:
                 record.append(plan)
         return plan.run(*args)
 
+    def run_inside(self, caller: str, *args: Any) -> Any:
+        """Run a call that a provider of op ``caller`` makes as one step of its own work.
+
+        The call is traced (``trace_dispatch`` lists it after its caller's plan) and forced like
+        its caller: unless this op is forced itself, a provider forced for ``caller`` that this
+        op also has is forced here too, so ``use_provider("helion", fused_experts)`` also runs the
+        activation inside it on helion, or raises :class:`ProviderError` saying why it cannot.
+        """
+        self.check(*args)
+        key = self.key(*args)
+        inherited = forced_provider(caller) if forced_provider(self.name) is None else None
+        if inherited is not None and all(p.name != inherited[0] for p in self.providers):
+            inherited = None
+        if inherited is None:
+            plan = self._plans.get(key) or self._make_plan(key, args)
+        else:
+            inherited = (inherited[0], f"{inherited[1]}, inside {caller}")
+            plan = self._inherited_plans.get((inherited[0], key)) or self._make_plan(key, args, inherited)
+        plan.calls += 1
+        for record in _tracers:
+            record.append(plan)
+        return plan.run(*args)
+
     def plan(self, *args: Any) -> Plan:
         """The plan a call with these arguments would run, without running it."""
         self.check(*args)
@@ -225,9 +265,10 @@ class Op:
 
     def reset(self) -> None:
         self._plans.clear()
+        self._inherited_plans.clear()
 
-    def _make_plan(self, key: Any, args: tuple[Any, ...]) -> Plan:
-        forced = forced_provider(self.name)
+    def _make_plan(self, key: Any, args: tuple[Any, ...], inherited: tuple[str, str] | None = None) -> Plan:
+        forced = inherited or forced_provider(self.name)
         names = [p.name for p in self.providers]
         if forced is not None and forced[0] not in names:
             raise ProviderError(
@@ -244,7 +285,10 @@ class Op:
                 if built is not None:
                     run, choice = built
                     plan = Plan(self.name, key, provider.name, choice, skipped, run)
-                    self._plans[key] = plan
+                    if inherited is None:
+                        self._plans[key] = plan
+                    else:
+                        self._inherited_plans[(inherited[0], key)] = plan
                     log.debug("%s", plan.describe())
                     return plan
             else:
@@ -290,6 +334,43 @@ class Op:
         )
 
 
+def _register_reference_backward(custom: Any, reference: Callable[..., Any]) -> None:
+    """The op's backward is the vector-Jacobian product of its reference, recomputed from the inputs.
+
+    Until backward kernels exist this keeps training, gradient checkpointing and inputs that need
+    gradients correct on every provider: the forward runs the kernel, the backward differentiates
+    the specification.
+    """
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        is_tensor = [isinstance(a, torch.Tensor) for a in inputs]
+        ctx.is_tensor = is_tensor
+        ctx.constants = [None if t else a for t, a in zip(is_tensor, inputs)]
+        ctx.save_for_backward(*(a for t, a in zip(is_tensor, inputs) if t))
+
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        saved = iter(ctx.saved_tensors)
+        inputs = [next(saved) if t else c for t, c in zip(ctx.is_tensor, ctx.constants)]
+        positions = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                     and ctx.needs_input_grad[i]]
+
+        def differentiated(*tensors: torch.Tensor) -> Any:
+            args = list(inputs)
+            for i, tensor in zip(positions, tensors):
+                args[i] = tensor
+            return reference(*args)
+
+        with torch.enable_grad():
+            _, vjp = torch.func.vjp(differentiated, *(inputs[i] for i in positions))
+        found = vjp(grads[0] if len(grads) == 1 else tuple(grads))
+        result: list[Any] = [None] * len(inputs)
+        for i, grad in zip(positions, found):
+            result[i] = grad
+        return tuple(result)
+
+    custom.register_autograd(backward, setup_context=setup_context)
+
+
 def _requires_grad(args: tuple[Any, ...]) -> bool:
     return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
@@ -319,8 +400,8 @@ class CompiledReference:
         # key keeps each key's specialisations from crowding out the others'.
         private = types.FunctionType(reference.__code__.replace(), reference.__globals__, reference.__name__,
                                      reference.__defaults__, reference.__closure__)
-        # Inductor keeps fused intermediates in fp32 unless told to round where the eager code
-        # rounds; the reference is the spec of where HF rounds, so its compiled form must too.
+        # Inductor computes a fused bf16/fp16 expression in fp32 and rounds once unless told to
+        # round where the code casts; the reference's casts are the spec (HF's roundings).
         self.compiled: Callable[..., Any] | None = torch.compile(
             private, dynamic=None, fullgraph=True, options={"emulate_precision_casts": True})
 

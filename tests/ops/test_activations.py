@@ -13,9 +13,9 @@ from transformers.activations import ACT2FN
 
 from hw_agnostic import ops
 from hw_agnostic.ops.activations import gelu_and_mul_op, silu_and_mul_op, swiglu_oai_op
-from hw_agnostic.tolerances import assert_close
-from tests.harness import Case, check_provider, dsl_providers
-from tests.ops.test_rms_norm import rows
+from hw_agnostic.tolerances import assert_within_ulps
+from tests.harness import Case, check_provider, dsl_providers, fuzz_examples
+from tests.ops.test_rms_norm import UNCOLLAPSED_ROWS, rows
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SMALL_CONFIG = {"block_sizes": [2, 16], "num_warps": 4, "num_stages": 1}
@@ -24,19 +24,19 @@ OPS = {"silu": silu_and_mul_op, "gelu": gelu_and_mul_op, "gelu_tanh": gelu_and_m
 
 def act_case(activation, lead, inter, dtype, *, layout="contiguous", config=None, interleaved=True, scale=3.0):
     name = (f"{activation}-{'x'.join(map(str, lead))}x{inter}-{str(dtype).removeprefix('torch.')}-{layout}"
-            + ("" if interleaved else "-split") + ("-small" if config else ""))
+            + ("" if interleaved else "-split") + ("-small" if config else "") + (f"-x{scale:g}" if scale != 3.0 else ""))
 
     def make():
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         # Wide enough a range that swiglu_oai's clamps at +-7 are hit.
-        x = rows(lead, 2 * inter, torch.float32, layout, g).mul_(scale).to(dtype)
+        x = rows(lead, 2 * inter, dtype, layout, g, scale)
         if activation == "silu":
             return (x,)
         if activation in ("gelu", "gelu_tanh"):
             return (x, "tanh" if activation == "gelu_tanh" else "none")
         return (x, 1.702, 7.0, interleaved)
 
-    return Case(name, make, config)
+    return Case(name, make, config, expected_decline=UNCOLLAPSED_ROWS if layout == "permuted" else None)
 
 
 def _cases(activation: str) -> list[Case]:
@@ -68,18 +68,20 @@ def test_gated_activation_dsl(activation, case, provider, device):
 
 
 @pytest.mark.dsl
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=fuzz_examples(16, 60), deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     activation=st.sampled_from(sorted(OPS)),
     lead=st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple),
     inter=st.integers(1, 200),
     dtype=st.sampled_from(DTYPES),
     layout=st.sampled_from(["contiguous", "padded", "inner_stride"]),
+    interleaved=st.booleans(),
+    scale=st.sampled_from([0.1, 3.0, 20.0]),
 )
-def test_fuzz_shapes_and_strides(activation, lead, inter, dtype, layout):
+def test_fuzz_shapes_and_strides(activation, lead, inter, dtype, layout, interleaved, scale):
     from tests.conftest import kernel_device
 
-    case = act_case(activation, lead, inter, dtype, layout=layout)
+    case = act_case(activation, lead, inter, dtype, layout=layout, interleaved=interleaved, scale=scale)
     for provider in dsl_providers(OPS[activation]):
         check_provider(OPS[activation], provider, case, kernel_device())
 
@@ -103,31 +105,57 @@ def _hf_gpt_oss_gate(gate_up: torch.Tensor, alpha: float, limit: float) -> torch
     return GptOssExperts._apply_gate(holder, gate_up)
 
 
+_HF_ACT = {"silu": ACT2FN["silu"], "gelu": ACT2FN["gelu"], "gelu_tanh": ACT2FN["gelu_pytorch_tanh"]}
+
+
+def _hf_rounding_exactly(activation: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up`` rounded where HF rounds (``act(gate)``, then the product), each step exact
+    (in float64, with GELU written without the cancellation of ``1 + erf`` / ``1 + tanh``)."""
+    g = gate.double()
+    if activation == "silu":
+        act = torch.nn.functional.silu(g)
+    elif activation == "gelu":
+        act = 0.5 * g * torch.erfc(-g / 2**0.5)
+    else:
+        act = g * torch.sigmoid(2 * 0.7978845608028654 * (g + 0.044715 * g**3))
+    return (act.to(gate.dtype).double() * up.double()).to(gate.dtype)
+
+
 @pytest.mark.parametrize("provider", _providers_here())
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", sorted(OPS))
 def test_matches_hf(activation, dtype, provider):
+    """fp32: within 1e-6 norm-wise; fp16/bf16: within one ulp of HF, nearly all bit-equal, so a
+    kernel that does not round ``act(gate)`` to the input dtype before the multiply fails.
+
+    HF's GELU computes ``1 + erf(g / sqrt 2)``, which cancels for very negative ``g``; the kernel
+    does not. Those elements (where HF's result is not its exact value rounded as HF rounds) are
+    left out of the comparison; everywhere else the kernel matches HF.
+    """
     from tests.conftest import kernel_device
 
     device = "cpu" if provider == "reference" else kernel_device()
     g = torch.Generator().manual_seed(zlib.crc32(f"{activation}{dtype}".encode()))
-    x = (torch.randn(4, 3, 2 * 40, generator=g) * 4).to(device=device, dtype=dtype)
+    x = (torch.randn(4, 3, 2 * 160, generator=g) * 4).to(device=device, dtype=dtype)
     gate, up = x.chunk(2, dim=-1)
-    with ops.use_provider(provider):
-        if activation == "silu":
-            want, got = ACT2FN["silu"](gate) * up, ops.silu_and_mul(x)
-        elif activation == "gelu":
-            want, got = ACT2FN["gelu"](gate) * up, ops.gelu_and_mul(x)
-        elif activation == "gelu_tanh":
-            want, got = ACT2FN["gelu_pytorch_tanh"](gate) * up, ops.gelu_and_mul(x, approximate="tanh")
-        else:
+    with ops.use_provider(provider), ops.trace_dispatch() as ran:
+        if activation == "swiglu_oai":
             want, got = _hf_gpt_oss_gate(x, 1.702, 7.0), ops.swiglu_oai(x, 1.702, 7.0)
+        else:
+            want = _HF_ACT[activation](gate) * up
+            got = ops.silu_and_mul(x) if activation == "silu" else ops.gelu_and_mul(
+                x, "tanh" if activation == "gelu_tanh" else "none")
+    assert [p.provider for p in ran] == [provider]
     assert got.dtype == want.dtype and got.shape == want.shape
     if dtype == torch.float32:
         relative = ((got - want).norm() / want.norm()).item()
         assert relative <= 1e-6, relative
-    else:
-        assert_close(got, want.double(), dtype)
+        return
+    compared = torch.ones_like(want, dtype=torch.bool)
+    if activation.startswith("gelu"):
+        compared = want.cpu() == _hf_rounding_exactly(activation, gate.cpu(), up.cpu())
+        assert compared.float().mean() > 0.85  # only GELU's far negative tail is left out
+    assert_within_ulps(got.cpu()[compared], want.cpu()[compared])
 
 
 # --------------------------------------------------------------------------------------------

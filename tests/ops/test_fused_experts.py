@@ -13,8 +13,8 @@ from hw_agnostic import ops
 from hw_agnostic.ops.fused_experts import fused_experts_op
 from hw_agnostic.ops.moe_common import example_routing
 from hw_agnostic.ops.moe_route import moe_route_op
-from hw_agnostic.tolerances import assert_close
-from tests.harness import Case, check_provider, dsl_providers, seeded_generator
+from hw_agnostic.tolerances import assert_close, assert_within_ulps
+from tests.harness import Case, check_provider, dsl_providers, fuzz_examples, seeded_generator
 from tests.ops.moe_cases import (
     ALIGN_SMALL,
     DTYPES,
@@ -100,14 +100,41 @@ def test_fused_experts_dsl(provider, case, device):
 
 
 @pytest.mark.dsl
-@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
-@given(tokens=st.integers(1, 12), experts=st.integers(2, 9), top_k=st.integers(1, 2),
+@pytest.mark.parametrize("provider", dsl_providers(fused_experts_op))
+def test_the_activation_inside_runs_on_the_forced_provider(provider, device):
+    """fused_experts runs its gated activation through the activation op: traced, and forced with it."""
+    from hw_agnostic.ops.activations import silu_and_mul_op
+
+    case = fused_case(9, 5, 2, 13, 11, torch.float32, config=FUSED_SHARED)
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in case.make())
+    want = fused_experts_op.reference(*args)
+    with ops.use_config(fused_experts_op, FUSED_SHARED), ops.use_provider(provider, fused_experts_op):
+        with ops.trace_dispatch() as ran:
+            got = fused_experts_op(*args)
+        assert [(p.op, p.provider) for p in ran] == [("fused_experts", provider), ("silu_and_mul", provider)]
+        assert_close(got, want.double())
+        with ops.use_provider("reference", silu_and_mul_op), ops.trace_dispatch() as ran:
+            got = fused_experts_op(*args)  # the inner op's own forcing wins
+        assert [(p.op, p.provider) for p in ran] == [("fused_experts", provider), ("silu_and_mul", "reference")]
+        assert_close(got, want.double())
+
+
+@pytest.mark.dsl
+@settings(max_examples=fuzz_examples(4, 30), deadline=None, suppress_health_check=list(HealthCheck))
+@given(tokens=st.integers(1, 12), experts=st.integers(2, 16), top_k=st.integers(1, 4),
        hidden=st.integers(1, 40), inter=st.integers(1, 24), dtype=st.sampled_from(DTYPES),
-       pattern=st.sampled_from(["spread", "two_experts", "sentinels"]))
-def test_fuzz_fused_experts(tokens, experts, top_k, hidden, inter, dtype, pattern):
+       activation=st.sampled_from(["silu", "gelu", "gelu_tanh", "gpt_oss"]),
+       weights_dtype=st.sampled_from([None, torch.float32]),
+       pattern=st.sampled_from(["spread", "one_expert", "two_experts", "sentinels"]))
+def test_fuzz_fused_experts(tokens, experts, top_k, hidden, inter, dtype, activation, weights_dtype, pattern):
+    """Expert counts, top-k, sizes, dtypes, router-weight dtypes, every activation and gpt-oss's
+    layout with biases, and the routing edge cases."""
     from tests.conftest import kernel_device
 
-    case = fused_case(tokens, experts, min(top_k, experts), hidden, inter, dtype, pattern=pattern, config=FUSED_SHARED)
+    gpt_oss = activation == "gpt_oss"
+    case = fused_case(tokens, experts, min(top_k, experts), hidden, inter, dtype, weights_dtype=weights_dtype,
+                      activation="silu" if gpt_oss else activation, gpt_oss=gpt_oss, pattern=pattern,
+                      config=FUSED_SHARED)
     for provider in dsl_providers(fused_experts_op):
         check_provider(fused_experts_op, provider, case, kernel_device())
 
@@ -163,10 +190,22 @@ def _hf_experts(family: str, dtype: torch.dtype):
     return experts.to(dtype)
 
 
+def _providers_here() -> list:
+    from tests.conftest import kernel_device
+
+    dsl = dsl_providers(fused_experts_op) if kernel_device() else []
+    return ["reference", *[pytest.param(p, marks=pytest.mark.dsl) for p in dsl]]
+
+
+@pytest.mark.parametrize("provider", _providers_here())
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_matches_hf_grouped_mm_experts(family, dtype):
-    """The spec follows what transformers computes (the kernels follow the spec: the harness)."""
+def test_matches_hf_grouped_mm_experts(family, dtype, provider):
+    """What transformers' grouped_mm experts compute: fp32 within 1e-6, fp16/bf16 within one ulp
+    and nearly all bit-equal (every rounding where transformers rounds)."""
+    from tests.conftest import kernel_device
+
+    device = "cpu" if provider == "reference" else kernel_device()
     experts = _hf_experts(family, dtype)
     g = seeded_generator(f"{family}{dtype}")
     hidden = torch.randn(11, 32, generator=g).to(dtype)  # grouped_mm wants 16-byte strides
@@ -174,16 +213,19 @@ def test_matches_hf_grouped_mm_experts(family, dtype):
     weights = weights.to(dtype if family != "gpt_oss" else torch.float32)
     with torch.no_grad():
         want = experts(hidden, ids, weights)
-        kwargs = dict(activation="swiglu_oai", transposed=True, interleaved=True,
-                      gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias) \
-            if family == "gpt_oss" else {}
-        got = ops.fused_experts(hidden, experts.gate_up_proj, experts.down_proj, weights, ids, **kwargs)
+    experts, hidden, weights, ids = experts.to(device), hidden.to(device), weights.to(device), ids.to(device)
+    kwargs = dict(activation="swiglu_oai", transposed=True, interleaved=True,
+                  gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias) \
+        if family == "gpt_oss" else {}
+    with torch.no_grad(), ops.use_provider(provider, fused_experts_op), ops.trace_dispatch() as ran:
+        got = ops.fused_experts(hidden, experts.gate_up_proj, experts.down_proj, weights, ids, **kwargs).cpu()
+    assert ran[0].op == "fused_experts" and {p.provider for p in ran} == {provider}
     assert got.dtype == want.dtype
     if dtype == torch.float32:
         relative = ((got - want).norm() / want.norm()).item()
         assert relative <= 1e-6, relative
     else:
-        assert_close(got, want.double(), dtype)
+        assert_within_ulps(got, want)
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from hw_agnostic import ops
 from hw_agnostic.ops.layer_norm import fused_add_layer_norm_inplace_op, fused_add_layer_norm_op, layer_norm_op
-from tests.harness import Case, check_provider, dsl_providers, seeded_generator
+from tests.harness import Case, check_provider, dsl_providers, fuzz_examples, seeded_generator
 from tests.ops import hf_norms
-from tests.ops.test_rms_norm import rows
+from tests.ops.test_rms_norm import UNCOLLAPSED_ROWS, rows
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 NUMERICS = ("fp32", "one_plus", "cast_then_affine")
@@ -50,7 +50,12 @@ def ln_case(lead, hidden, dtype, *, numerics="fp32", weight="same", bias="same",
             return x, residual, w, b, eps, numerics
         return x, w, b, eps, numerics
 
-    return Case(name, make, config)
+    mixed_product = (numerics == "cast_then_affine" and weight is not None and bias is not None
+                     and torch.promote_types(dtype, weight) != torch.promote_types(torch.promote_types(dtype, weight), bias))
+    decline = (UNCOLLAPSED_ROWS if layout == "permuted" else
+               "the kernel rounds the product once; a bias of a wider dtype than the product's is the reference's"
+               if mixed_product else None)
+    return Case(name, make, config, expected_decline=decline)
 
 
 def _cases(fused: bool) -> list[Case]:
@@ -140,7 +145,7 @@ def test_qk_layout_collapses_per_head_but_not_per_row():
 
 
 @pytest.mark.dsl
-@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=fuzz_examples(8, 30), deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     lead=st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple),
     hidden=st.integers(1, 300),

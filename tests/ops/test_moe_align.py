@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from hw_agnostic import ops
 from hw_agnostic.kernels.moe_align import max_slots
 from hw_agnostic.ops.moe_align import moe_align_op
-from tests.harness import Case, check_provider, dsl_providers, seeded_generator
+from tests.harness import Case, check_provider, dsl_providers, fuzz_examples, seeded_generator
 from tests.ops.moe_cases import ALIGN_SMALL, IDS, IGNORE_MASKED_ROW_WARNINGS, dtype_name, routing_ids
 
 pytestmark = IGNORE_MASKED_ROW_WARNINGS
@@ -82,14 +83,37 @@ def test_alignment_invariants_of_the_reference(case):
     assert_alignment_invariants(topk_ids, experts, block_m, ops.moe_align(topk_ids, experts, block_m))
 
 
+ALIGN_FUZZ = dict(tokens=st.integers(0, 40), experts=st.integers(1, 17), top_k=st.integers(1, 4),
+                  block_m=st.sampled_from([1, 2, 4, 16, 64]), ids_dtype=st.sampled_from([torch.int32, torch.int64]),
+                  pattern=st.sampled_from(["spread", "one_expert", "two_experts", "sentinels"]))
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(tokens=st.integers(0, 40), experts=st.integers(1, 17), top_k=st.integers(1, 4),
-       block_m=st.sampled_from([1, 2, 4, 16, 64]), seed=st.integers(0, 2**16), pattern=st.sampled_from(
-           ["spread", "one_expert", "two_experts", "sentinels"]))
-def test_fuzz_alignment_invariants(tokens, experts, top_k, block_m, seed, pattern):
-    top_k = min(top_k, experts)
-    ids = routing_ids(tokens, experts, top_k, torch.Generator().manual_seed(seed), pattern)
+@given(**ALIGN_FUZZ)
+def test_fuzz_alignment_invariants(tokens, experts, top_k, block_m, ids_dtype, pattern):
+    case = align_case(tokens, experts, min(top_k, experts), block_m, pattern=pattern, ids_dtype=ids_dtype)
+    ids, experts, block_m = case.make()
     assert_alignment_invariants(ids, experts, block_m, ops.moe_align(ids, experts, block_m))
+
+
+@pytest.mark.dsl
+@settings(max_examples=fuzz_examples(6, 40), deadline=None, suppress_health_check=list(HealthCheck))
+@given(**ALIGN_FUZZ, small=st.booleans())
+def test_fuzz_alignment_dsl(tokens, experts, top_k, block_m, ids_dtype, pattern, small):
+    """The kernels against the reference (exactly) and the invariants, on random routings."""
+    from tests.conftest import kernel_device
+
+    case = align_case(tokens, experts, min(top_k, experts), block_m, pattern=pattern, ids_dtype=ids_dtype,
+                      config=ALIGN_SMALL if small else None)
+    ids, experts, block_m = case.make()
+    for provider in dsl_providers(moe_align_op):
+        check_provider(moe_align_op, provider, case, kernel_device())
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(ops.use_provider(provider, moe_align_op))
+            if case.config is not None:
+                stack.enter_context(ops.use_config(moe_align_op, case.config))
+            alignment = ops.moe_align(ids.to(kernel_device()), experts, block_m)
+        assert_alignment_invariants(ids, experts, block_m, alignment)
 
 
 # --------------------------------------------------------------------------------------------

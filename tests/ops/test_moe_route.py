@@ -6,10 +6,12 @@ import re
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hw_agnostic import ops
 from hw_agnostic.ops.moe_route import moe_route_op
-from tests.harness import Case, check_provider, dsl_providers, seeded_generator
+from tests.harness import Case, check_provider, dsl_providers, fuzz_examples, seeded_generator
 from tests.ops.moe_cases import IGNORE_MASKED_ROW_WARNINGS, dtype_name
 
 pytestmark = IGNORE_MASKED_ROW_WARNINGS
@@ -66,6 +68,36 @@ ROUTE_CASES = [
 @pytest.mark.parametrize("case", ROUTE_CASES, ids=repr)
 def test_moe_route_dsl(provider, case, device):
     check_provider(moe_route_op, provider, case, device)
+
+
+@st.composite
+def routings(draw) -> dict:
+    """A valid moe_route call of any routing family: scoring, groups, top-k within what they allow."""
+    scoring = draw(st.sampled_from(["softmax", "sigmoid", "topk_then_softmax"]))
+    experts = draw(st.integers(1, 24))
+    n_group = topk_group = 1
+    divisors = [d for d in (2, 4, 8) if experts % d == 0 and experts > d]
+    if scoring == "sigmoid" and divisors and draw(st.booleans()):
+        n_group = draw(st.sampled_from(divisors))
+        topk_group = draw(st.integers(1, n_group))
+    top_k = draw(st.integers(1, min(8, topk_group * experts // n_group)))
+    return dict(tokens=draw(st.integers(0, 20)), experts=experts, top_k=top_k,
+                dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])), scoring=scoring,
+                renormalize=draw(st.booleans()), bias=scoring == "sigmoid" and draw(st.booleans()), n_group=n_group,
+                topk_group=topk_group, factor=draw(st.sampled_from([1.0, 2.5])),
+                config=draw(st.sampled_from([None, ROUTE_SMALL])))
+
+
+@pytest.mark.dsl
+@settings(max_examples=fuzz_examples(6, 40), deadline=None, suppress_health_check=list(HealthCheck))
+@given(routing=routings())
+def test_fuzz_routing(routing):
+    from tests.conftest import kernel_device
+
+    tokens, experts, top_k = routing.pop("tokens"), routing.pop("experts"), routing.pop("top_k")
+    case = route_case(tokens, experts, top_k, **routing)
+    for provider in dsl_providers(moe_route_op):
+        check_provider(moe_route_op, provider, case, kernel_device())
 
 
 def test_route_matches_the_hf_routers():

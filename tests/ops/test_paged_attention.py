@@ -13,7 +13,7 @@ from hw_agnostic import ops
 from hw_agnostic.ops.paged_attention import example_paged_batch, paged_attention, paged_attention_op
 from hw_agnostic.ops.write_kv_cache import write_kv_cache, write_kv_cache_op
 from hw_agnostic.tolerances import assert_close
-from tests.harness import Case, check_provider, dsl_providers, seeded_generator
+from tests.harness import Case, check_provider, dsl_providers, fuzz_examples, seeded_generator
 
 SMALL_BLOCKS = {"block_sizes": [16, 16], "num_warps": 4, "num_stages": 1, "num_splits": 1}
 
@@ -142,7 +142,7 @@ def test_a_wrong_block_table_entry_fails_the_check(provider, device, monkeypatch
 
 
 @pytest.mark.dsl
-@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=fuzz_examples(6, 20), deadline=None, suppress_health_check=list(HealthCheck))
 # Found by fuzzing: no query rows at all (an empty grid; Helion's eager mode mishandled it).
 @example(batch=[(0, 0)], window=None, sinks=False, num_splits=1, unowned_rows=1)
 @given(
@@ -162,6 +162,36 @@ def test_fuzz_batches(batch, window, sinks, num_splits, unowned_rows):
     case = attention_case(
         f"fuzz-{batch}-{window}-{sinks}-{num_splits}-{unowned_rows}", q_lens, kv_lens, heads=(4, 2),
         window=window, sinks=sinks, config=split_config(num_splits), unowned_rows=unowned_rows,
+    )
+    for provider in dsl_providers(paged_attention_op):
+        check_provider(paged_attention_op, provider, case, kernel_device())
+
+
+@pytest.mark.dsl
+@settings(max_examples=fuzz_examples(8, 40), deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    batch=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 40)), min_size=1, max_size=3),
+    heads=st.sampled_from([(1, 1), (2, 2), (4, 1), (4, 2), (6, 2), (8, 1)]),
+    head_dim=st.sampled_from([16, 32, 64]),
+    block_size=st.sampled_from([8, 16, 32]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    window=st.sampled_from([None, 1, 7, 24]),
+    softcap=st.sampled_from([None, 2.0, 30.0]),
+    sinks=st.booleans(),
+    num_splits=st.sampled_from([1, 3]),
+)
+def test_fuzz_heads_dtypes_and_features(batch, heads, head_dim, block_size, dtype, window, softcap, sinks,
+                                        num_splits):
+    """Head counts and GQA ratios, head dims, cache block sizes, dtypes, window / softcap / sinks
+    together, split-KV on and off: the kernel specialisations, drawn at random."""
+    from tests.conftest import kernel_device
+
+    q_lens = [q for q, _ in batch]
+    kv_lens = [max(q, kv) for q, kv in batch]
+    case = attention_case(
+        f"fuzz-{batch}-{heads}-{head_dim}-{block_size}-{dtype}-{window}-{softcap}-{sinks}-{num_splits}", q_lens,
+        kv_lens, heads=heads, head_dim=head_dim, block_size=block_size, dtype=dtype, window=window, softcap=softcap,
+        sinks=sinks, config=split_config(num_splits),
     )
     for provider in dsl_providers(paged_attention_op):
         check_provider(paged_attention_op, provider, case, kernel_device())

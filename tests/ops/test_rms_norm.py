@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -15,11 +15,13 @@ from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 from hw_agnostic import ops
 from hw_agnostic.ops.rms_norm import fused_add_rms_norm_inplace_op, fused_add_rms_norm_op, rms_norm_op
-from hw_agnostic.tolerances import assert_close
-from tests.harness import Case, check_provider, dsl_providers
+from hw_agnostic.tolerances import assert_close, assert_within_ulps
+from tests.harness import Case, check_provider, dsl_providers, fuzz_examples
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 NUMERICS = ("llama", "fp32_scale", "gemma")
+#: Why the kernels decline a ``permuted`` layout.
+UNCOLLAPSED_ROWS = "the kernels address rows at one stride; the reference runs such inputs"
 SMALL_ROW_CONFIG = {"block_sizes": [2], "reduction_loops": [16], "num_warps": 4, "num_stages": 1}
 SMALL_FUSED_CONFIGS = (
     {"variant": "row", "block_sizes": [2], "num_warps": 4, "num_stages": 1},
@@ -31,16 +33,20 @@ def _generator(name: str) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(name.encode()))
 
 
-def rows(lead: tuple[int, ...], hidden: int, dtype: torch.dtype, layout: str, g: torch.Generator) -> torch.Tensor:
-    """A ``[*lead, hidden]`` input laid out as a real caller might hand it over."""
+def rows(lead: tuple[int, ...], hidden: int, dtype: torch.dtype, layout: str, g: torch.Generator,
+         scale: float = 1.0) -> torch.Tensor:
+    """A ``[*lead, hidden]`` input of standard deviation ``scale``, laid out as a real caller might hand it over."""
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).mul_(scale).to(dtype)
+
     if layout == "contiguous":
-        return torch.randn(*lead, hidden, generator=g).to(dtype)
+        return randn(*lead, hidden)
     if layout == "padded":  # rows of a wider buffer: buf[..., :hidden]
-        return torch.randn(*lead, hidden + 13, generator=g).to(dtype)[..., :hidden]
+        return randn(*lead, hidden + 13)[..., :hidden]
     if layout == "inner_stride":
-        return torch.randn(*lead, 2 * hidden, generator=g).to(dtype)[..., ::2]
+        return randn(*lead, 2 * hidden)[..., ::2]
     if layout == "permuted":  # leading dims that do not collapse into one row stride
-        return torch.randn(lead[1], lead[0], hidden, generator=g).to(dtype).transpose(0, 1)
+        return randn(lead[1], lead[0], hidden).transpose(0, 1)
     raise ValueError(layout)
 
 
@@ -51,22 +57,26 @@ def _weight(hidden: int, dtype: torch.dtype | None, numerics: str, g: torch.Gene
     return (scale * torch.randn(hidden, generator=g)).to(dtype)
 
 
-def norm_case(lead, hidden, dtype, *, numerics="llama", weight_dtype="same", layout="contiguous", config=None, fused=False):
+def norm_case(lead, hidden, dtype, *, numerics="llama", weight_dtype="same", layout="contiguous", config=None,
+              fused=False, eps=1e-6, scale=1.0):
+    """``scale`` is the inputs' standard deviation: with ``scale**2`` near ``eps`` (small activations,
+    a large eps) eps moves the result by a large factor, so a kernel that mishandles it fails."""
     weight_dtype = dtype if weight_dtype == "same" else weight_dtype
     wname = "none" if weight_dtype is None else str(weight_dtype).removeprefix("torch.")
     name = (f"{'x'.join(map(str, lead))}x{hidden}-{str(dtype).removeprefix('torch.')}-{numerics}-w{wname}-{layout}"
-            + ("-small" if config else "") + (f"-{config['variant']}" if config and "variant" in config else ""))
+            + ("-small" if config else "") + (f"-{config['variant']}" if config and "variant" in config else "")
+            + (f"-eps{eps:g}-scale{scale:g}" if (eps, scale) != (1e-6, 1.0) else ""))
 
     def make():
         g = _generator(name)
-        x = rows(lead, hidden, dtype, layout, g)
+        x = rows(lead, hidden, dtype, layout, g, scale)
         w = _weight(hidden, weight_dtype, numerics, g)
         if fused:
-            residual = rows(lead, hidden, dtype, "contiguous", g)
-            return x, residual, w, 1e-6, numerics
-        return x, w, 1e-6, numerics
+            residual = rows(lead, hidden, dtype, "contiguous", g, scale)
+            return x, residual, w, eps, numerics
+        return x, w, eps, numerics
 
-    return Case(name, make, config)
+    return Case(name, make, config, expected_decline=UNCOLLAPSED_ROWS if layout == "permuted" else None)
 
 
 def _cases(fused: bool) -> list[Case]:
@@ -77,6 +87,10 @@ def _cases(fused: bool) -> list[Case]:
         cases.append(norm_case((7,), 37, dtype, numerics=numerics, fused=fused))
         for config in small_configs:
             cases.append(norm_case((5,), 45, dtype, numerics=numerics, config=config, fused=fused))
+        # eps comparable to the mean square: ignoring eps, or scaling it, changes every element
+        cases.append(norm_case((7,), 37, dtype, numerics=numerics, fused=fused, eps=1e-2, scale=0.1))
+    cases += [norm_case((5,), 45, torch.bfloat16, config=config, fused=fused, eps=1e-4, scale=0.01)
+              for config in small_configs]
     cases += [
         norm_case((1,), 1, torch.float32, fused=fused),
         norm_case((3,), 128, torch.bfloat16, weight_dtype=None, fused=fused),
@@ -125,21 +139,32 @@ def test_fused_add_rms_norm_inplace_dsl(provider, case, device):
     check_provider(fused_add_rms_norm_inplace_op, provider, case, device)
 
 
+FUZZ_OPS = {"rms_norm": rms_norm_op, "fused": fused_add_rms_norm_op, "inplace": fused_add_rms_norm_inplace_op}
+
+
 @pytest.mark.dsl
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=fuzz_examples(16, 60), deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     lead=st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple),
     hidden=st.integers(1, 300),
     dtype=st.sampled_from(DTYPES),
     numerics=st.sampled_from(NUMERICS),
     layout=st.sampled_from(["contiguous", "padded", "inner_stride"]),
-    fused=st.booleans(),
+    form=st.sampled_from(sorted(FUZZ_OPS)),
+    weight_dtype=st.sampled_from(["same", None, torch.float32]),
+    eps=st.sampled_from([0.0, 1e-6, 1e-4, 1e-2]),
+    scale=st.sampled_from([0.01, 0.1, 1.0, 8.0]),
 )
-def test_fuzz_shapes_and_strides(lead, hidden, dtype, numerics, layout, fused):
+def test_fuzz_shapes_strides_and_arguments(lead, hidden, dtype, numerics, layout, form, weight_dtype, eps, scale):
+    """Shapes, strides, dtypes, numerics, weights (none, same dtype, fp32), eps against input
+    scales (eps from invisible to dominant), out of place and in place."""
     from tests.conftest import kernel_device
 
-    op = fused_add_rms_norm_op if fused else rms_norm_op
-    case = norm_case(lead, hidden, dtype, numerics=numerics, layout=layout, fused=fused)
+    op = FUZZ_OPS[form]
+    promotes = weight_dtype is torch.float32 and dtype != torch.float32 and numerics == "llama"
+    assume(not (form == "inplace" and promotes))  # no in-place form: the result has another dtype
+    case = norm_case(lead, hidden, dtype, numerics=numerics, weight_dtype=weight_dtype, layout=layout,
+                     fused=form != "rms_norm", eps=eps, scale=scale)
     for provider in dsl_providers(op):
         check_provider(op, provider, case, kernel_device())
 
@@ -172,55 +197,72 @@ def _providers_here() -> list:
 
 
 HF_MODULES = {"llama": LlamaRMSNorm, "fp32_scale": Olmo2RMSNorm, "gemma": GemmaRMSNorm}
+#: (input standard deviation, eps): the usual regime, and eps comparable to the mean square.
+REGIMES = {"unit": (4.0, 1e-6), "eps-visible": (0.1, 1e-2)}
 
 
-@pytest.mark.parametrize("provider", _providers_here())
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("numerics", NUMERICS)
-def test_matches_hf_module(numerics, dtype, provider):
-    from tests.conftest import kernel_device
-
-    device = "cpu" if provider == "reference" else kernel_device()
-    g = _generator(f"hf-{numerics}-{dtype}")
-    hidden = 96
-    module = HF_MODULES[numerics](hidden, eps=1e-5)
+def _hf_norm(numerics: str, hidden: int, eps: float, dtype: torch.dtype, device: str, g: torch.Generator):
+    """The HF module of ``numerics`` with weights far from 1 (Gemma's ``w`` of ``1 + w`` far from 0)."""
+    module = HF_MODULES[numerics](hidden, eps=eps)
     with torch.no_grad():
-        module.weight.copy_(torch.randn(hidden, generator=g) * (0.3 if numerics == "gemma" else 1.0))
-    module = module.to(device=device, dtype=dtype)
-    x = (torch.randn(3, 5, hidden, generator=g) * 4).to(device=device, dtype=dtype)
-    with torch.no_grad():
-        want = module(x)
-    with ops.use_provider(provider, ops.rms_norm):
-        got = ops.rms_norm(x, module.weight, 1e-5, numerics=numerics)
-    assert got.dtype == want.dtype
-    if dtype == torch.float32:
+        module.weight.copy_(torch.randn(hidden, generator=g) * 2.0 + (0.0 if numerics == "gemma" else 0.5))
+    return module.to(device=device, dtype=dtype)
+
+
+def _assert_hf_parity(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32: within 1e-6 norm-wise; fp16/bf16: within one ulp of the HF module, nearly all bit-equal."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype == torch.float32:
         relative = ((got - want).norm() / want.norm()).item()
         assert relative <= 1e-6, relative
     else:
-        assert_close(got, want.double(), dtype)
+        assert_within_ulps(got, want)
 
 
 @pytest.mark.parametrize("provider", _providers_here())
-def test_fused_matches_hf_decoder_pattern(provider):
+@pytest.mark.parametrize("regime", sorted(REGIMES))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("numerics", NUMERICS)
+def test_matches_hf_module(numerics, dtype, regime, provider):
+    from tests.conftest import kernel_device
+
+    device = "cpu" if provider == "reference" else kernel_device()
+    scale, eps = REGIMES[regime]
+    g = _generator(f"hf-{numerics}-{dtype}-{regime}")
+    module = _hf_norm(numerics, 96, eps, dtype, device, g)
+    x = (torch.randn(3, 5, 96, generator=g) * scale).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        want = module(x)
+    with ops.use_provider(provider, ops.rms_norm), ops.trace_dispatch() as ran:
+        got = ops.rms_norm(x, module.weight, eps, numerics=numerics)
+    assert [p.provider for p in ran] == [provider]
+    _assert_hf_parity(got, want)
+
+
+@pytest.mark.parametrize("provider", _providers_here())
+@pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
+@pytest.mark.parametrize("numerics", NUMERICS)
+def test_fused_matches_hf_decoder_pattern(numerics, inplace, provider):
     """``residual + hidden`` in the model dtype, then the norm: what HF decoder layers do."""
     from tests.conftest import kernel_device
 
     device = "cpu" if provider == "reference" else kernel_device()
-    g = _generator("hf-fused")
-    module = LlamaRMSNorm(64, eps=1e-6)
-    with torch.no_grad():
-        module.weight.copy_(torch.randn(64, generator=g))
-    for dtype in DTYPES:
-        norm = module.to(device=device, dtype=dtype)
-        hidden = torch.randn(6, 64, generator=g).to(device=device, dtype=dtype)
-        residual = torch.randn(6, 64, generator=g).to(device=device, dtype=dtype)
+    for dtype, regime in itertools.product(DTYPES, sorted(REGIMES)):
+        scale, eps = REGIMES[regime]
+        g = _generator(f"hf-fused-{numerics}-{dtype}-{regime}")
+        norm = _hf_norm(numerics, 64, eps, dtype, device, g)
+        hidden = (torch.randn(6, 64, generator=g) * scale).to(device=device, dtype=dtype)
+        residual = (torch.randn(6, 64, generator=g) * scale).to(device=device, dtype=dtype)
         with torch.no_grad():
             summed = residual + hidden
             want = norm(summed)
-        with ops.use_provider(provider, ops.fused_add_rms_norm):
-            got, got_sum = ops.fused_add_rms_norm(hidden, residual, norm.weight, 1e-6)
+        with ops.use_provider(provider, ops.fused_add_rms_norm), ops.trace_dispatch() as ran:
+            got, got_sum = ops.fused_add_rms_norm(hidden, residual, norm.weight, eps, numerics=numerics,
+                                                  inplace=inplace)
+        assert [p.provider for p in ran] == [provider]
+        assert (got is hidden and got_sum is residual) == inplace
         assert torch.equal(got_sum, summed)
-        assert_close(got, want.double(), dtype)
+        _assert_hf_parity(got, want)
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,9 +6,11 @@ import re
 
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from hw_agnostic.ops.write_kv_cache import write_kv_cache, write_kv_cache_op
-from tests.harness import Case, check_provider, dsl_providers, seeded_generator
+from tests.harness import Case, check_provider, dsl_providers, fuzz_examples, seeded_generator
 
 
 def write_case(name: str, tokens: int, *, heads: int = 2, head_dim: int = 64, block_size: int = 16,
@@ -59,6 +61,26 @@ WRITE_CASES = [
 @pytest.mark.parametrize("case", WRITE_CASES, ids=repr)
 def test_write_kv_cache_dsl(provider, case, device):
     check_provider(write_kv_cache_op, provider, case, device)
+
+
+@pytest.mark.dsl
+@settings(max_examples=fuzz_examples(6, 40), deadline=None, suppress_health_check=list(HealthCheck))
+@given(tokens=st.integers(0, 24), heads=st.integers(1, 4), head_dim=st.sampled_from([16, 32, 80]),
+       block_size=st.sampled_from([1, 4, 16]), num_blocks=st.integers(1, 8), padding=st.integers(0, 4),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       slot_dtype=st.sampled_from([torch.int32, torch.int64]), key_layout=st.sampled_from(["contiguous", "fused"]),
+       cache_layout=st.sampled_from(["contiguous", "view"]))
+def test_fuzz_writes(tokens, heads, head_dim, block_size, num_blocks, padding, dtype, slot_dtype, key_layout,
+                     cache_layout):
+    from tests.conftest import kernel_device
+
+    assume(tokens <= num_blocks * block_size)
+    case = write_case(f"fuzz-{tokens}-{heads}-{head_dim}-{block_size}-{num_blocks}-{padding}", tokens, heads=heads,
+                      head_dim=head_dim, block_size=block_size, num_blocks=num_blocks, dtype=dtype,
+                      slot_dtype=slot_dtype, padding=min(padding, tokens), key_layout=key_layout,
+                      cache_layout=cache_layout)
+    for provider in dsl_providers(write_kv_cache_op):
+        check_provider(write_kv_cache_op, provider, case, kernel_device())
 
 
 # --------------------------------------------------------------------------------------------

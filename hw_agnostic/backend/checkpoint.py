@@ -1,0 +1,106 @@
+"""Saving a rewired model under the checkpoint keys, shapes and class the original would write.
+
+Rewiring merges projections (gate/up into ``gate_up_proj``, q/k/v into ``qkv_proj.proj``) and
+renames them, so the model's ``state_dict`` no longer has the checkpoint's keys. transformers
+reverts a model's weight conversions when it saves (``model._weight_conversions``, what
+``from_pretrained`` records for the conversions it applied on load), so each change that merges or
+renames carries the converters that describe it, and :func:`install_weight_conversions` appends
+them to the model's own: ``save_pretrained`` then splits the merged weights back into the
+original keys (as views; nothing is copied before writing), and plain ``from_pretrained`` loads
+the directory with no key missing. Patterns are the full module paths, so each converter matches
+exactly the module it was made for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _ops() -> tuple[type, type]:
+    from transformers.core_model_loading import ConversionOps
+
+    class ConcatenateParts(ConversionOps):
+        """Concatenate the sources along ``dim`` (in source order); reverts to :class:`SplitParts`."""
+
+        def __init__(self, sizes: tuple[int, ...], dim: int = 0) -> None:
+            self.sizes, self.dim = tuple(sizes), dim
+
+        @torch.no_grad()
+        def convert(self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str],
+                    **kwargs: Any) -> dict[str, torch.Tensor]:
+            parts = []
+            for pattern in source_patterns:
+                tensors = input_dict.pop(pattern)
+                parts.extend(tensors if isinstance(tensors, list) else [tensors])
+            return {target_patterns[0]: torch.cat(parts, dim=self.dim)}
+
+        @property
+        def reverse_op(self) -> Any:
+            return SplitParts(self.sizes, self.dim)
+
+    class SplitParts(ConversionOps):
+        """Split one tensor along ``dim`` into parts of ``sizes`` (views), one per target."""
+
+        def __init__(self, sizes: tuple[int, ...], dim: int = 0) -> None:
+            self.sizes, self.dim = tuple(sizes), dim
+
+        @torch.no_grad()
+        def convert(self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str],
+                    **kwargs: Any) -> dict[str, torch.Tensor]:
+            tensors = next(iter(input_dict.values()))
+            tensor = tensors[0] if isinstance(tensors, list) else tensors
+            if tensor.shape[self.dim] != sum(self.sizes):
+                raise ValueError(f"cannot split a tensor of {tensor.shape[self.dim]} rows into {self.sizes}")
+            return dict(zip(target_patterns, torch.split(tensor, list(self.sizes), dim=self.dim)))
+
+        @property
+        def reverse_op(self) -> Any:
+            return ConcatenateParts(self.sizes, self.dim)
+
+    return ConcatenateParts, SplitParts
+
+
+def merged(path: str, sources: list[str], target: str, sizes: tuple[int, ...]) -> list[Any]:
+    """Converters saying that ``{path}.{target}`` holds ``{path}.{source}`` for each source, stacked
+    on dim 0 with ``sizes`` rows each (``.weight`` and, where present, ``.bias``)."""
+    from transformers.core_model_loading import WeightConverter
+
+    concatenate, _ = _ops()
+    prefix = f"{path}." if path else ""
+    return [WeightConverter([prefix + s for s in sources], prefix + target, operations=[concatenate(sizes)])]
+
+
+def renamed(path: str, source: str, target: str) -> list[Any]:
+    """A converter saying that ``{path}.{target}`` is the checkpoint's ``{path}.{source}``."""
+    from transformers.core_model_loading import WeightRenaming
+
+    if source == target:
+        return []
+    prefix = f"{path}." if path else ""
+    return [WeightRenaming(f"{prefix}{source}.", f"{prefix}{target}.")]
+
+
+def model_conversions(model: nn.Module) -> list[Any]:
+    """The conversions transformers reverts when saving ``model`` as it stands."""
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is not None:
+        return list(conversions)
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange
+    except ImportError:
+        return []
+    try:
+        found = get_model_conversion_mapping(model, add_legacy=False)
+    except Exception:  # not a transformers model, or one without a mapping
+        return []
+    return [c for c in found if not isinstance(c, PrefixChange)]
+
+
+def install_weight_conversions(model: nn.Module, converters: list[Any]) -> None:
+    """Append ``converters`` to what ``model.save_pretrained`` reverts (no-op for non-HF modules)."""
+    if converters and hasattr(model, "save_pretrained"):
+        model._weight_conversions = model_conversions(model) + list(converters)

@@ -1,0 +1,246 @@
+"""What Hugging Face users do with a model keeps working after ``rewire``, with the same results.
+
+Attention weights, gradients (training, gradient checkpointing, inputs that need gradients), the
+cache's contents, cache surgery (assisted and prompt-lookup decoding crop the cache), static
+caches, beam search, ``torch.compile`` and save/load: each is run on a rewired tiny model and on
+the untouched original, and the results must agree.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from hw_agnostic import ops, rewire
+from hw_agnostic.backend.attention import PagedCacheLayer
+from hw_agnostic.layers import GatedMLP, PagedAttention, QKVProjection, RMSNorm
+from hw_agnostic.tolerances import assert_close
+from tests.backend.models import FAMILIES, build, prompt
+from tests.zoo import families as zoo
+
+
+def _pair(family: str = "llama", **overrides):
+    model = build(family, **overrides)
+    reference = copy.deepcopy(model)
+    report = rewire(model)
+    assert report.verification is not None and report.verification.ran and not report.verification.undone, report
+    return model, reference
+
+
+def _padded(batch: int = 2, length: int = 9):
+    ids = prompt(batch, length)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids[1, :3] = 0
+    return ids, mask
+
+
+def _ran(record, op: str) -> bool:
+    return any(plan.op == op for plan in record)
+
+
+# --------------------------------------------------------------------------------------------
+# attention weights
+
+
+def test_output_attentions_returns_the_eager_weights():
+    model, reference = _pair("llama", attn_implementation="eager")
+    ids, mask = _padded()
+    with torch.no_grad():
+        got = model(ids, attention_mask=mask, output_attentions=True)
+        want = reference(ids, attention_mask=mask, output_attentions=True)
+    assert len(got.attentions) == len(want.attentions) == 2
+    real = mask.bool()
+    for a, b in zip(got.attentions, want.attentions):
+        assert a.shape == b.shape
+        assert_close(a.permute(0, 2, 1, 3)[real], b.permute(0, 2, 1, 3)[real].double())
+    assert_close(got.logits[real], want.logits[real].double())
+
+
+def test_generate_with_attentions_and_a_paged_cache():
+    """Weights asked for after the cache was paged: the fallback reads every position back from the pages."""
+    model, reference = _pair("gemma2", attn_implementation="eager")
+    ids, mask = _padded()
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_attentions=True)
+    with torch.no_grad():
+        cache, own = DynamicCache(config=model.config), DynamicCache(config=reference.config)
+        model(ids, attention_mask=mask, cache=cache, use_cache=True)  # pages the prompt
+        reference(ids, attention_mask=mask, cache=own, use_cache=True)
+        assert isinstance(cache.layers[0], PagedCacheLayer)
+        step, step_mask = prompt(2, 1, seed=5), torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+        got = model(step, attention_mask=step_mask, cache=cache, use_cache=True, output_attentions=True)
+        want = reference(step, attention_mask=step_mask, cache=own, use_cache=True, output_attentions=True)
+        for a, b in zip(got.attentions, want.attentions):
+            assert_close(a, b.double())
+        assert_close(got.logits, want.logits.double())
+        out = model.generate(ids, **kwargs)
+        expected = reference.generate(ids, **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert len(out.attentions) == len(expected.attentions) == 4
+
+
+# --------------------------------------------------------------------------------------------
+# gradients
+
+
+def _grads_by_name(model) -> dict[str, torch.Tensor]:
+    """Gradients under the original parameter names (merged projections split back)."""
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        grads[name] = param.grad
+    for path, module in model.named_modules():
+        if isinstance(module, GatedMLP) and module.gate_up_proj.weight.grad is not None:
+            gate, up = module.gate_up_proj.weight.grad.chunk(2)
+            grads[f"{path}.gate_proj.weight"], grads[f"{path}.up_proj.weight"] = gate, up
+            grads.pop(f"{path}.gate_up_proj.weight")
+        if isinstance(module, QKVProjection) and module.proj.weight.grad is not None:
+            parent = path.rpartition(".")[0]
+            for name, part in zip(("q_proj", "k_proj", "v_proj"), module.proj.weight.grad.split(module.sizes)):
+                grads[f"{parent}.{name}.weight"] = part
+            grads.pop(f"{path}.proj.weight")
+    return grads
+
+
+@pytest.mark.parametrize("mode", ["train", "eval", "checkpointing"])
+def test_gradients_match_the_original(mode):
+    model, reference = _pair("qwen3")
+    ids = prompt()
+    for m in (model, reference):
+        if mode == "checkpointing":
+            m.gradient_checkpointing_enable()
+        m.train(mode != "eval")
+        loss = m(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+    want = _grads_by_name(reference)
+    got = _grads_by_name(model)
+    assert set(got) == set(want)
+    for name, grad in want.items():
+        assert_close(got[name], grad.double())
+
+
+def test_inputs_that_need_gradients():
+    model, reference = _pair("llama")
+    model.enable_input_require_grads()
+    reference.enable_input_require_grads()
+    for p in [*model.parameters(), *reference.parameters()]:
+        p.requires_grad_(False)
+    embeds = torch.randn(2, 5, 64, requires_grad=True)
+    embeds_ref = embeds.detach().clone().requires_grad_()
+    model(inputs_embeds=embeds).logits.square().sum().backward()
+    reference(inputs_embeds=embeds_ref).logits.square().sum().backward()
+    assert_close(embeds.grad, embeds_ref.grad.double())
+
+
+# --------------------------------------------------------------------------------------------
+# the cache
+
+
+def test_cache_contents_read_back_from_the_pages():
+    model, reference = _pair("mistral")
+    ids, mask = _padded()
+    cache, own = DynamicCache(config=model.config), DynamicCache(config=reference.config)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache, use_cache=True)
+        reference(ids, attention_mask=mask, cache=own, use_cache=True)
+    real = mask.bool()
+    for ours, theirs in zip(cache.layers, own.layers):
+        assert isinstance(ours, PagedCacheLayer)
+        assert ours.keys.shape == theirs.keys.shape and ours.values.shape == theirs.values.shape
+        assert_close(ours.keys.transpose(1, 2)[real], theirs.keys.transpose(1, 2)[real].double())
+        assert_close(ours.values.transpose(1, 2)[real], theirs.values.transpose(1, 2)[real].double())
+    assert cache.get_seq_length() == own.get_seq_length()
+
+
+def test_crop_with_padding():
+    model, _ = _pair("llama")
+    ids, mask = _padded()
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache, use_cache=True)
+        store = cache.layers[0].store
+        assert store.kv_lens.tolist() == [9, 6]
+        cache.crop(0)
+        assert cache.get_seq_length() == 9 and store.kv_lens.tolist() == [9, 6]
+        cache.crop(-2)
+        assert cache.get_seq_length() == 7 and store.kv_lens.tolist() == [7, 4]
+        cache.crop(-5)  # into the padding of the second row
+        assert cache.get_seq_length() == 2 and store.kv_lens.tolist() == [2, 0]
+        with pytest.raises(ValueError, match="negative"):
+            cache.crop(3)
+
+
+@pytest.mark.parametrize("how", ["assistant", "prompt_lookup"])
+def test_assisted_decoding_matches_greedy(how):
+    """Assisted generation runs one sequence; its prompt mask has zeros (padding), which the paged
+    cache must crop correctly when drafts are rejected."""
+    model, reference = _pair("llama")
+    ids = prompt(1, 12)
+    ids[:, 7:] = ids[:, 2:7].clone()  # repetition gives prompt lookup something to propose
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = 0, 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    if how == "assistant":
+        assistant = build("llama", seed=3, num_hidden_layers=1)
+        rewire(assistant)
+        extra = dict(assistant_model=assistant)
+    else:
+        extra = dict(prompt_lookup_num_tokens=3)
+    with torch.no_grad(), ops.trace_dispatch() as record:
+        got = model.generate(ids, **kwargs, **extra)
+    want = reference.generate(ids, **kwargs)
+    assert torch.equal(got, want)
+    assert _ran(record, "paged_attention")
+
+
+def test_static_cache_and_beam_search():
+    model, reference = _pair("gemma2")
+    ids, mask = _padded()
+    for extra in (dict(cache_implementation="static"), dict(num_beams=3)):
+        kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, **extra)
+        with torch.no_grad():
+            assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs)), extra
+
+
+@pytest.mark.slow
+def test_compiled_forward_in_generate():
+    model, reference = _pair("llama")
+    ids, mask = _padded()
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    model.forward = torch.compile(model.forward)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+
+
+# --------------------------------------------------------------------------------------------
+# save and load
+
+
+MOE = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
+
+
+@pytest.mark.parametrize("family", [*sorted(FAMILIES), *MOE])
+def test_save_pretrained_writes_what_the_original_would(family, tmp_path):
+    model = zoo.build(family) if family in MOE else build(family)
+    reference = copy.deepcopy(model)
+    rewire(model)
+    assert any(isinstance(m, (RMSNorm, PagedAttention)) for m in model.modules())
+    ours, theirs = tmp_path / "rewired", tmp_path / "original"
+    model.save_pretrained(ours)
+    reference.save_pretrained(theirs)
+    with safe_open(ours / "model.safetensors", "pt") as a, safe_open(theirs / "model.safetensors", "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        for key in b.keys():
+            assert a.get_slice(key).get_shape() == b.get_slice(key).get_shape(), key
+    loaded = AutoModelForCausalLM.from_pretrained(ours).eval()
+    assert type(loaded) is type(reference)
+    assert list(loaded.state_dict()) == list(reference.state_dict())
+    ids = prompt()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)
