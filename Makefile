@@ -9,7 +9,11 @@ PYTEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) -q
 
-.PHONY: test test-reference test-triton-interpret test-helion-interpret test-zoo test-vllm mutation bench autotune demo clean
+# Compile targets of the compile tier and compile-report (sm_80,sm_90,sm_100,gfx942,gfx1100).
+COMPILE_TARGETS ?= all
+
+.PHONY: test test-reference test-triton-interpret test-helion-interpret test-compile test-zoo test-vllm mutation bench autotune demo \
+	compile-report target-defaults gpu-campaign gpu-wheels clean
 
 $(VENV)/.installed-%: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,8 +21,9 @@ $(VENV)/.installed-%: pyproject.toml
 	$(PY) -m pip install -q -e ".[$*]"
 	@touch $@
 
-# Three tiers, each in its own processes: Helion cannot run with both interpreters set.
-test: test-reference test-triton-interpret test-helion-interpret test-zoo test-vllm
+# Tiers, each in its own processes: Helion cannot run with both interpreters set, kernels
+# generated under an interpreter do not compile for GPUs, and vLLM has its own venv.
+test: test-reference test-triton-interpret test-helion-interpret test-compile test-zoo test-vllm
 
 test-reference: $(VENV)/.installed-test
 	$(PYTEST) -m "not zoo" tests
@@ -53,6 +58,14 @@ $(VLLM_VENV)/.installed: pyproject.toml
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q tests/vllm
 
+# Every kernel compiled for GPU targets, no GPU needed: the tier's own tests (rules, headline
+# model shapes, shipped configs, rewired models) for every target, then every op's harness cases
+# (tests named *_dsl) for one target per backend (HARNESS_TARGETS=all: every target, ~2.5x longer).
+HARNESS_TARGETS ?= sm_90,gfx942
+test-compile: $(VENV)/.installed-test
+	HW_AGNOSTIC_COMPILE_TARGETS=$(COMPILE_TARGETS) $(PYTEST) tests/compile_targets
+	HW_AGNOSTIC_COMPILE_TARGETS=$(HARNESS_TARGETS) $(PYTEST) -k _dsl tests/ops
+
 bench: $(VENV)/.installed-bench
 	$(PY) -m bench --device $(DEVICE)
 
@@ -61,6 +74,25 @@ demo: $(VENV)/.installed-test
 
 autotune: $(VENV)/.installed-bench
 	$(PY) -m hw_agnostic.autotune --device $(DEVICE) --ops $(OPS) --out hw_agnostic/autotune_cache
+
+# The table of every kernel compiled for every target (committed under bench/results/compile/).
+compile-report: $(VENV)/.installed-bench
+	$(PY) -m hw_agnostic compile-report --targets $(COMPILE_TARGETS)
+
+# Per-target defaults chosen by what the compiler reports (hw_agnostic/autotune/target_defaults.py).
+target-defaults: $(VENV)/.installed-bench
+	$(PY) -m hw_agnostic.autotune.target_defaults --targets $(COMPILE_TARGETS) --ops $(OPS)
+
+# The first run on a GPU machine (no network: the wheels it lacks travel in .whl/, made here by
+# `make gpu-wheels`); its image's python3 has torch and triton. DRY_RUN=1 tries it on a CPU.
+gpu-campaign:
+	python3 bench/gpu_campaign.py $(if $(DRY_RUN),--dry-run)
+
+# Python 3.12 wheels for the GPU image (torch 2.11, triton 3.6, transformers 5.17): what it lacks.
+GPU_WHEELS ?= helion==1.5.0 filecheck==1.0.6 liger-kernel==0.8.5 transformers==5.24.0
+gpu-wheels:
+	python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis build *.egg-info

@@ -5,6 +5,8 @@
 * Tuned configs are read from and written to a per-session temporary directory, never the
   developer's own cache.
 * ``dsl`` tests need something that runs kernels: a GPU, or one of the CPU interpreters.
+  With ``HW_AGNOSTIC_COMPILE_TARGETS`` set (the compile tier) they run on the CPU in
+  compile-for-target mode, and each test fails if a launch it made broke a compile rule.
 * Hypothesis fuzzing is deterministic by default (see the profiles below).
 * No silent skips: a skip whose reason ``tests/expected_skips.py`` does not allow for this tier
   fails its test, and the end of the run lists the tier's skips by reason.
@@ -13,9 +15,16 @@
 from __future__ import annotations
 
 import collections
+import importlib.util
 import os
 import re
 import tempfile
+
+# The vLLM plugin's tests run in their own tier and venv (make test-vllm), where vLLM is installed;
+# the compile tier's only with HW_AGNOSTIC_COMPILE_TARGETS set (make test-compile).
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
+if not os.environ.get("HW_AGNOSTIC_COMPILE_TARGETS"):
+    collect_ignore.append("compile_targets")
 
 os.environ.setdefault("HW_AGNOSTIC_COMPILE_REFERENCE", "0")
 os.environ["HW_AGNOSTIC_CACHE_DIR"] = tempfile.mkdtemp(prefix="hw_agnostic_test_cache_")
@@ -31,12 +40,14 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+from hw_agnostic.kernels import targets  # noqa: E402
 from hw_agnostic.kernels.interpret import interpreter_mode  # noqa: E402
 
 
 def kernel_device() -> str | None:
-    """Where DSL kernels run in this process: ``"cuda"``, ``"cpu"`` (an interpreter) or None."""
-    if interpreter_mode() is not None:
+    """Where DSL kernels run in this process: ``"cuda"``, ``"cpu"`` (an interpreter, or
+    compile-for-target mode, where launches compile and the reference computes) or None."""
+    if interpreter_mode() is not None or targets.active_mode() is not None:
         return "cpu"
     if torch.cuda.is_available():
         return "cuda"
@@ -54,9 +65,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def tier() -> str:
-    """This process's test tier: ``reference``, ``triton``, ``helion`` or ``gpu`` (tests/expected_skips.py)."""
+    """This process's test tier (see tests/expected_skips.py)."""
     mode = interpreter_mode()
-    return mode if mode is not None else "gpu" if torch.cuda.is_available() else "reference"
+    if mode is not None:
+        return mode
+    if targets.active_mode() is not None:
+        return "compile"
+    return "gpu" if torch.cuda.is_available() else "reference"
 
 
 def _skip_reason(report: pytest.TestReport) -> str:
@@ -120,3 +135,16 @@ def _fresh_plans():
     ops.reset()
     yield
     ops.reset()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """In compile-for-target mode (the compile tier), a ``dsl`` test fails if a launch it made does
+    not compile, spills, overflows shared memory or misses 128-bit loads (hw_agnostic.kernels.targets)."""
+    mode = targets.active_mode()
+    if mode is None or "dsl" not in item.keywords:
+        return (yield)
+    with targets.compile_for([t.name for t in mode.targets]) as compile_log:
+        result = yield
+    compile_log.check()
+    return result

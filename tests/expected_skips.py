@@ -1,7 +1,8 @@
 """The skips each test tier may have, and why. Any other skip fails its test (see conftest.py).
 
 A tier is where a test process runs kernels: ``reference`` (no GPU, no interpreter), ``triton``
-(``TRITON_INTERPRET=1``), ``helion`` (``HELION_INTERPRET=1``) or ``gpu``. Each entry is a regular
+(``TRITON_INTERPRET=1``), ``helion`` (``HELION_INTERPRET=1``), ``compile``
+(``HW_AGNOSTIC_COMPILE_TARGETS``: compiled for GPU targets, results from the reference) or ``gpu``. Each entry is a regular
 expression matched against the start of the skip reason, and the justification printed with the
 tier's skip counts at the end of the run. A harness case a provider declines is allowed only as
 an *expected decline*, which the case itself declares, with its reason (``tests/harness.py``).
@@ -28,5 +29,6 @@ EXPECTED_SKIPS: dict[str, tuple[tuple[str, str], ...]] = {
     "reference": (_NO_KERNELS, _GPU, _TRITON_ONLY, _HELION_ONLY, _ZOO, _OLDER_TRANSFORMERS),
     "triton": (_DECLARED, _GPU, _HELION_ONLY, _CPU_ONLY, _OLDER_TRANSFORMERS),
     "helion": (_DECLARED, _GPU, _TRITON_ONLY, _CPU_ONLY, _OLDER_TRANSFORMERS),
+    "compile": (_DECLARED, _GPU, _TRITON_ONLY, _HELION_ONLY, _CPU_ONLY, _OLDER_TRANSFORMERS),
     "gpu": (_DECLARED, _TRITON_ONLY, _HELION_ONLY, _CPU_ONLY, _ZOO, _OLDER_TRANSFORMERS),
 }

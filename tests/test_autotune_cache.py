@@ -175,8 +175,8 @@ def test_saving_over_a_stale_file_starts_afresh(roots, caplog):
 
 def test_shipped_files_parse(roots):
     """Every config file shipped in the package is current for its kernel."""
-    from hw_agnostic.kernels import activations, rms_norm
+    from hw_agnostic import ops
 
-    kernels = {k.name: k for k in (rms_norm.RMS_NORM, rms_norm.FUSED_ADD_RMS_NORM, activations.GATED_ACTIVATION)}
+    kernels = {p.kernel.name: p.kernel for op in ops.all_ops().values() for p in op.providers if p.kernel}
     for path in cache.Path(cache.__file__).resolve().parent.parent.joinpath("autotune_cache").glob("*/*.json"):
         cache.parse_file(path, kernels[path.stem], path.parent.name)

@@ -14,7 +14,9 @@ Layout: ``<root>/<platform>/<kernel>.json`` with
 Two roots are searched, the user's first: ``$HW_AGNOSTIC_CACHE_DIR`` (default
 ``~/.cache/hw_agnostic/autotune_cache``), then the directory shipped in the package. For a key
 the lookup takes, in order: an exact entry, the nearest token bucket with the same static
-fields (see :mod:`.keys`), the file's default entry, and finally the kernel's built-in default.
+fields (see :mod:`.keys`), the file's default entry; where the platform has no tuned file, the
+compile-chosen defaults of the device's compile target (``<root>/sm_90/<kernel>.json``, see
+:mod:`.target_defaults`: exact, then nearest bucket); and finally the kernel's built-in default.
 
 A missing, unreadable, corrupt, stale (the kernel's source changed since tuning) or foreign
 (another kernel's or platform's) file is skipped with one warning; a lookup never raises.
@@ -29,7 +31,7 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -41,7 +43,7 @@ SCHEMA_VERSION = 1
 SHIPPED_ROOT = Path(__file__).resolve().parent.parent / "autotune_cache"
 USER_ROOT_ENV = "HW_AGNOSTIC_CACHE_DIR"
 
-Source = Literal["user", "shipped", "default"]
+Source = Literal["user", "shipped", "target", "default"]
 Match = Literal["exact", "nearest", "file-default", "builtin"]
 
 
@@ -250,9 +252,11 @@ def _load(path: Path, kernel: TunableKernel, platform: str, *, expected: bool) -
 
 
 def lookup(
-    kernel: TunableKernel, platform: str, key: Mapping[str, KeyValue], *, warn_if_missing: bool = True
+    kernel: TunableKernel, platform: str, key: Mapping[str, KeyValue], *, warn_if_missing: bool = True,
+    target: str | None = None,
 ) -> ConfigChoice:
-    """The config to launch ``kernel`` with for ``key`` on ``platform``; never raises."""
+    """The config to launch ``kernel`` with for ``key`` on ``platform`` (compile target ``target``,
+    e.g. ``sm_90``, if the device is one); never raises."""
     key = dict(key)
     files: list[tuple[Source, Path, _ParsedFile]] = []
     roots: list[tuple[Source, Path]] = [("shipped", SHIPPED_ROOT)]
@@ -262,8 +266,10 @@ def lookup(
         _warn_once(Path(os.environ.get(USER_ROOT_ENV, "~")), f"the user config directory is unusable ({err})")
     for source, root in roots:
         path = config_path(root, platform, kernel.name)
-        # A missing user file is the normal case; a missing shipped file is worth one warning.
-        parsed = _load(path, kernel, platform, expected=warn_if_missing and source == "shipped")
+        # A missing user file is the normal case; a missing shipped file is worth one warning,
+        # unless the target's compile-chosen defaults stand in for it.
+        expected = warn_if_missing and source == "shipped" and target is None
+        parsed = _load(path, kernel, platform, expected=expected)
         if parsed is not None:
             files.append((source, path, parsed))
 
@@ -278,7 +284,26 @@ def lookup(
     for source, path, parsed in files:
         if parsed.default is not None:
             return ConfigChoice(dict(parsed.default), source, "file-default", key, str(path))
+    if not files and target is not None:
+        chosen = _target_default(kernel, target, key)
+        if chosen is not None:
+            return chosen
     return ConfigChoice(kernel.default_config(key), "default", "builtin", key)
+
+
+def _target_default(kernel: TunableKernel, target: str, key: dict[str, KeyValue]) -> ConfigChoice | None:
+    """The compile-chosen default of ``target`` for ``key``: an exact entry, else the nearest bucket."""
+    files = [(path, parsed) for path in (config_path(root, target, kernel.name) for root in (user_root(), SHIPPED_ROOT))
+             if (parsed := _load(path, kernel, target, expected=False)) is not None]
+    wanted = key_string(key)
+    for path, parsed in files:
+        if wanted in parsed.entries:
+            return ConfigChoice(dict(parsed.entries[wanted][1]), "target", "exact", key, str(path))
+    for path, parsed in files:
+        near = nearest_key(key, (stored for stored, _ in parsed.entries.values()))
+        if near is not None:
+            return ConfigChoice(dict(parsed.entries[key_string(near)][1]), "target", "nearest", key, str(path))
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -372,3 +397,21 @@ def set_default(
         data["default"] = {"config": dict(config)}
 
     return _update(kernel, platform, root, None, change)
+
+
+def save_entries(
+    kernel: TunableKernel,
+    platform: str,
+    entries: Iterable[tuple[Mapping[str, KeyValue], Mapping[str, Any], Mapping[str, Any]]],
+    *,
+    root: Path | None = None,
+    tuned_with: Mapping[str, str] | None = None,
+) -> Path:
+    """Add (or replace) many entries ``(key, config, extra fields)`` in one write."""
+    new = [{"key": dict(key), "config": dict(config), **dict(extra)} for key, config, extra in entries]
+    replaced = {key_string(e["key"]) for e in new}
+
+    def change(data: dict[str, Any]) -> None:
+        data["entries"] = [e for e in data["entries"] if key_string(e["key"]) not in replaced] + new
+
+    return _update(kernel, platform, root, tuned_with, change)

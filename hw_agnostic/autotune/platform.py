@@ -97,6 +97,31 @@ def platform_of(device: torch.device | str) -> str:
     return _slug(device.type)
 
 
+#: The compile target (:mod:`hw_agnostic.kernels.targets`) of each platform whose architecture is one.
+PLATFORM_TARGETS: dict[str, str] = {
+    "nvidia_a100": "sm_80", "nvidia_a800": "sm_80",
+    "nvidia_h100": "sm_90", "nvidia_h200": "sm_90", "nvidia_h800": "sm_90", "nvidia_h20": "sm_90",
+    "nvidia_gh200": "sm_90",
+    "nvidia_b200": "sm_100", "nvidia_gb200": "sm_100",
+    "amd_mi300x": "gfx942", "amd_mi300a": "gfx942", "amd_mi325x": "gfx942",
+}
+
+
+def compile_target(device: torch.device | str) -> str | None:
+    """The compile target a device is (``sm_90``, ``gfx942``, ...), or None if it is none of them."""
+    from ..kernels.targets import TARGETS
+
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    properties = torch.cuda.get_device_properties(device)
+    if getattr(torch.version, "hip", None):
+        name = str(getattr(properties, "gcnArchName", "")).split(":")[0]
+    else:
+        name = f"sm_{properties.major}{properties.minor}"
+    return name if name in TARGETS else None
+
+
 def detect_platform() -> str:
     """The platform of the first accelerator this process sees, or ``cpu``."""
     if torch.cuda.is_available():

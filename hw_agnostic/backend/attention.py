@@ -1,7 +1,7 @@
 """Transformers integration of paged attention: ``generate()`` and continuous batching on our kernels.
 
 ``enable_paged_attention(model)`` makes every Hugging Face self-attention module it recognises
-(one that stores K/V through ``cache.update(k, v, layer_idx, kwargs=...)`` and dispatches its
+(one that stores K/V through ``cache.update(k, v, layer_idx, ...)`` and dispatches its
 attention through ``ALL_ATTENTION_FUNCTIONS``, as Llama, Mistral, Qwen3, Gemma-2, gpt-oss and most
 decoder families do) a :class:`~hw_agnostic.layers.attention.PagedAttention` layer (its class is
 switched, so it keeps its parameters, names and hooks), and returns the paths it changed. The
@@ -49,6 +49,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import re
 import sys
 import weakref
 from collections.abc import Callable
@@ -58,7 +59,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers.attention import (
-    _STATE, PAGED_BATCH_KWARG, PagedAttention, PagedBatch, PagedKVCache, TransientPages, attend,
+    _STATE, PagedAttention, PagedBatch, PagedKVCache, TransientPages, attend,
 )
 from ..layers.base import resolve
 from ..ops.write_kv_cache import write_kv_cache
@@ -83,7 +84,10 @@ def paged_attention_forward(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """The ``AttentionInterface`` function: ``paged_attention`` over the batch a binding stored."""
-    batch: Optional[PagedBatch | TransientPages] = kwargs.pop(PAGED_BATCH_KWARG, None)
+    state = module.__dict__.get(_STATE)
+    batch: Optional[PagedBatch | TransientPages] = None
+    if state is not None:
+        batch, state.pending = state.pending, None
     if isinstance(batch, TransientPages):
         batch = batch.page(key, value, real_tokens(batch.attention_mask, key.shape[2]))
     if batch is None:
@@ -334,9 +338,9 @@ class _StoreBinding:
         batch = paged.append(key_states, value_states, real_tokens(self.attention_mask, key_states.shape[2], past))
         if index == own:
             self.layer.__dict__[_STATE].kv = paged.store
-        if self.fallback or kwargs is None:
+        if self.fallback:
             return paged.read_with(key_states, value_states)
-        kwargs[PAGED_BATCH_KWARG] = batch
+        self.layer.__dict__[_STATE].pending = batch
         return key_states, value_states
 
     def __getattr__(self, name: str) -> Any:
@@ -348,8 +352,8 @@ class _StoreBinding:
 
 
 class _ContinuousBatchingBinding:
-    def __init__(self, cache: Any, fallback: bool) -> None:
-        self.cache, self.fallback = cache, fallback
+    def __init__(self, layer: PagedAttention, cache: Any, fallback: bool) -> None:
+        self.layer, self.cache, self.fallback = layer, cache, fallback
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any,
                kwargs: Optional[dict] = None, **extra: Any) -> tuple[Tensor, Tensor]:
@@ -366,7 +370,7 @@ class _ContinuousBatchingBinding:
         else:
             batch = self._windowed(layer_idx, key_states, value_states, cu_q, max_q, kwargs)
         batch.key_states, batch.value_states = key_states, value_states
-        kwargs[PAGED_BATCH_KWARG] = batch
+        self.layer.__dict__[_STATE].pending = batch
         return key_states, value_states
 
     def _paged(self, allocator: Any, layer_idx: int, key_states: Tensor, value_states: Tensor, cu_q: Tensor,
@@ -421,11 +425,13 @@ def _one_token_blocks(states: Tensor) -> Tensor:
 
 def bind_cache(layer: PagedAttention, cache: Any, attention_mask: Any, fallback: bool) -> Any:
     """The object the module writes K/V through, for the cache its forward received (None: none)."""
-    from transformers.cache_utils import Cache
+    from transformers.cache_utils import Cache, EncoderDecoderCache
     from transformers.generation.continuous_batching import PagedAttentionCache
 
     if isinstance(cache, PagedAttentionCache):
-        return _ContinuousBatchingBinding(cache, fallback)
+        return _ContinuousBatchingBinding(layer, cache, fallback)
+    if isinstance(cache, EncoderDecoderCache):  # a decoder's self-attention writes only its own half
+        cache = cache.self_attention_cache
     if isinstance(cache, Cache):
         return _StoreBinding(layer, cache, attention_mask, fallback)
     raise TypeError(f"paged attention: unsupported cache object {type(cache).__name__} (expected a transformers Cache)")
@@ -434,25 +440,37 @@ def bind_cache(layer: PagedAttention, cache: Any, attention_mask: Any, fallback:
 def attention_refusal(module: nn.Module) -> str | None:
     """Why ``module`` is not a self-attention module paged attention can serve (None: it is one).
 
-    Served: a module with a config whose forward writes K/V through ``cache.update(..., kwargs=...)``
-    and dispatches through ``ALL_ATTENTION_FUNCTIONS``, as transformers' current attention modules do.
+    Served: a module with a config whose forward writes K/V through ``cache.update(...)`` and
+    dispatches its attention through ``ALL_ATTENTION_FUNCTIONS`` (the batch reaches the attention
+    function through the module, so ``update`` may be called with or without ``kwargs``).
+    ``NOT_ATTENTION`` marks modules that are no attention at all (not worth a report line).
     """
-    if isinstance(module, PagedAttention) or not hasattr(module, "config") or not isinstance(module, nn.Module):
-        return "not an attention module"
+    if isinstance(module, PagedAttention) or not isinstance(module, nn.Module):
+        return NOT_ATTENTION
     try:
         source = inspect.getsource(inspect.unwrap(type(module).forward))
     except (OSError, TypeError):
-        return "not an attention module"
-    if "ALL_ATTENTION_FUNCTIONS" not in source or ".update(" not in source:
-        return "not an attention module"
+        return NOT_ATTENTION
+    dispatches, writes = "ALL_ATTENTION_FUNCTIONS" in source, _WRITES_KV.search(source) is not None
+    if not dispatches and not writes or not any(True for _ in module.parameters()):
+        return NOT_ATTENTION
+    if not dispatches:
+        return "writes the cache but computes attention in its own code (not through ALL_ATTENTION_FUNCTIONS)"
+    if not writes:
+        return "dispatches attention but never writes a KV cache (an encoder, or a vision/audio tower)"
+    if not hasattr(module, "config"):
+        return "has no config to dispatch its attention from"
     if not getattr(module, "is_causal", True):
         return "not causal (bidirectional or cross-attention)"
     key_dim, value_dim = getattr(module, "qk_head_dim", None), getattr(module, "v_head_dim", None)
     if getattr(module, "kv_lora_rank", None) or (key_dim is not None and value_dim is not None and key_dim != value_dim):
         return "latent attention (low-rank K/V with their own head layout, as DeepSeek's MLA)"
-    if "kwargs=kwargs" not in source:
-        return "its forward does not pass its kwargs to cache.update, so the paged batch cannot reach its attention"
     return None
+
+
+NOT_ATTENTION = "not an attention module"
+#: ``cache.update(k, v, <...>layer_idx, ...)``: a forward that writes K/V into a cache layer
+_WRITES_KV = re.compile(r"\.update\(\s*[\w.\[\]]+\s*,\s*[\w.\[\]]+\s*,\s*[\w.]*(layer_idx|idx)")
 
 
 def looks_like_attention(module: nn.Module) -> bool:
@@ -468,13 +486,16 @@ def paging_changes(model: nn.Module, *, block_size: int = 16) -> tuple[list[Chan
     layer_class = resolve("paged_attention")
     changes: list[Change] = []
     left: list[tuple[str, nn.Module, str]] = []
+    unnamed: list[tuple[str, nn.Module]] = []  # modules called attention that are none of the above
     for path, module in list(model.named_modules()):
         if not path:
             continue
         reason = attention_refusal(module)
         if reason is not None:
-            if reason != "not an attention module" and not isinstance(module, PagedAttention):
+            if reason != NOT_ATTENTION:
                 left.append((path, module, reason))
+            elif type(module).__name__.lower().endswith("attention") and any(True for _ in module.parameters()):
+                unnamed.append((path, module))
             continue
         config = copy.copy(module.config)
         setattr(config, _FALLBACK_ATTRIBUTE, module.config._attn_implementation)
@@ -492,6 +513,11 @@ def paging_changes(model: nn.Module, *, block_size: int = 16) -> tuple[list[Chan
                               "K/V in a paged cache: write_kv_cache + paged_attention", apply, undo))
     if changes:
         _install_pages_first(model)
+    covered = [p for p, _, _ in left] + [c.path for c in changes]
+    for path, module in unnamed:  # the report explains them, unless they wrap one explained already
+        if not any(p.startswith(path + ".") for p in covered):
+            left.append((path, module, "no softmax attention over a KV cache written with cache.update "
+                                       "(linear or recurrent attention, or attention with its own cache)"))
     return changes, left
 
 

@@ -209,7 +209,7 @@ def looks_like_mlp(module: nn.Module) -> bool:
         return False
     return any(
         a.in_features == b.out_features and a.out_features in (b.in_features, 2 * b.in_features)
-        and b.in_features > b.out_features
+        and b.in_features >= b.out_features
         for a in linears for b in linears if a is not b
     )
 

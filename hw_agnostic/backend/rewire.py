@@ -173,8 +173,9 @@ def _replacement(parent: nn.Module, name: str, path: str, module: nn.Module, rep
         share_merged_mlp_weights(module, mlp, new)
         return Change("mlp", path, type(module).__name__, type(new).__name__, _describe_mlp(mlp),
                       *swap(parent, name, new), converters=tuple(mlp_converters(path, mlp)))
-    if isinstance(mlp, NotDetected) and looks_like_mlp(module):
-        report.add("left", path, module, detail=mlp.reason)
+    if looks_like_mlp(module):
+        reason = mlp.reason if isinstance(mlp, NotDetected) else "children other than linears hold parameters"
+        report.add("left", path, module, detail=reason)
     return None
 
 

@@ -67,7 +67,7 @@ def _gated_activation(
         out[tile_m, tile_i] = (act * u).to(out.dtype)
 
 
-gated_activation_kernel = HelionFunction(_gated_activation)
+gated_activation_kernel = HelionFunction(_gated_activation, memory_bound=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -82,7 +82,10 @@ def default_gated_activation_config(key: Mapping[str, Any]) -> Config:
         return {"block_sizes": [block_m, block_i], "num_warps": 4, "num_stages": 1}
     block_i = min(next_power_of_2(inter), 1024)
     block_m = min(next_power_of_2(tokens), max(1, 2048 // block_i))
-    return {"block_sizes": [block_m, block_i], "num_warps": 4, "num_stages": 1}
+    # Up to 4 warps, as many as give every thread a 16-byte vector of the tile (64-wide AMD waves too).
+    element_bytes = 4 if key.get("dtype") == "float32" else 2
+    warps = min(4, max(1, block_m * block_i * element_bytes // (16 * 64)))
+    return {"block_sizes": [block_m, block_i], "num_warps": warps, "num_stages": 1}
 
 
 def gated_activation_candidates(key: Mapping[str, Any]) -> list[Config]:

@@ -308,6 +308,12 @@ def default_paged_attention_config(key: Mapping[str, Any]) -> Config:
         # decode tiles, moderate tiles otherwise.
         rows = next_power_of_2(int(key["group"])) if key.get("decode") else 32
         return {"block_sizes": [rows, 64], "num_warps": 4, "num_stages": 1, "num_splits": "auto"}
+    if key.get("dtype") == "float32":
+        # Exact fp32 products run on FMA units with both operands in registers: 64x64 tiles at
+        # head dim 128 need ~230 fp32 registers a thread and spill on every NVIDIA target.
+        rows = min(rows, 32)
+        return {"block_sizes": [rows, 16], "num_warps": 4 if rows * head_dim <= 32 * 128 else 8, "num_stages": 2,
+                "num_splits": "auto"}
     keys = 64 if head_dim <= 128 else 32
     warps = 4 if rows * head_dim <= 64 * 128 else 8
     return {"block_sizes": [rows, keys], "num_warps": warps, "num_stages": 2 if key.get("decode") else 3,

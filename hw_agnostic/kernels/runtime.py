@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from . import targets
 from .interpret import interpreter_mode
 
 Config = dict[str, Any]
@@ -56,15 +57,21 @@ def helion_available() -> str | None:
 
 
 class HelionFunction:
-    """One Helion kernel function, compiled per (config, index width, argument specialisation)."""
+    """One Helion kernel function, compiled per (config, index width, argument specialisation).
 
-    def __init__(self, fn: Callable[..., Any], *, dot_precision: str | None = None) -> None:
+    ``memory_bound`` marks kernels whose speed is their memory traffic (norms, activations, KV
+    writes): in compile-for-target mode they must read aligned contiguous rows with 128-bit loads.
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, dot_precision: str | None = None, memory_bound: bool = False) -> None:
         self.fn = fn
+        self.name = fn.__name__.lstrip("_")
         self.dot_precision = dot_precision  # "ieee" for exact fp32 dots (Triton's default is TF32)
-        self._kernels: dict[bool, Any] = {}
+        self.memory_bound = memory_bound
+        self._kernels: dict[tuple[bool, tuple[tuple[int, ...], ...] | None], Any] = {}
 
-    def _kernel(self, int64: bool) -> Any:
-        kernel = self._kernels.get(int64)
+    def _kernel(self, int64: bool, size_class: tuple[tuple[int, ...], ...] | None) -> Any:
+        kernel = self._kernels.get((int64, size_class))
         if kernel is None:
             import helion
 
@@ -75,22 +82,47 @@ class HelionFunction:
                 autotune_effort="none",
                 **({"dot_precision": self.dot_precision} if self.dot_precision else {}),
             )
-            self._kernels[int64] = kernel
+            self._kernels[(int64, size_class)] = kernel
         return kernel
 
     def compile(self, config: Config, args: tuple[Any, ...], *, int64: bool) -> Callable[..., Any]:
         """A callable running the kernel with ``config`` on arguments specialised like ``args``.
 
         The result is valid for any arguments with the same dtypes, devices, constexpr values
-        and aliasing as ``args``; callers cache it under a key that captures those.
+        and aliasing as ``args``; callers cache it under a key that captures those. In
+        compile-for-target mode (:mod:`.targets`) calling it compiles its launches for the
+        mode's targets and runs nothing.
         """
         import helion
 
-        bound = self._kernel(int64).bind(args)
+        compiling_for_targets = targets.active_mode() is not None
+        if compiling_for_targets and interpreter_mode() is not None:
+            raise RuntimeError(targets.INTERPRETER_CONFLICT)
+        bound = self._kernel(int64, _size_class(config, args)).bind(args)
         if interpreter_mode() == "helion":
             # Eager interpret mode runs the kernel body as PyTorch; configs do not apply.
             return bound
-        return bound.compile_config(helion.Config(**_fit_config(bound.config_spec, config)))
+        fitted = _fit_config(bound.config_spec, config)
+        host = bound.compile_config(helion.Config(**fitted))
+        if compiling_for_targets:
+            return targets.TargetLaunch(self.name, fitted, host, memory_bound=self.memory_bound)
+        return host
+
+
+def _size_class(config: Config, args: tuple[Any, ...]) -> tuple[tuple[int, ...], ...] | None:
+    """What a bound kernel for ``config`` must have been bound on, beyond Helion's own key.
+
+    Helion derives a bound kernel's reduction loops from the sizes of the first arguments it
+    binds and reuses that bound kernel for every later size with the same specialisation key: a
+    reduction loop at least as long as those first sizes becomes a persistent reduction. So a
+    config asking for 4096-wide chunks, bound after a call on 37-wide rows, would generate the
+    persistent layout at 65536 (255 registers and spills on every GPU target). Configs with a
+    reduction loop therefore get a binding per power-of-two class of the tensor sizes; other
+    configs share Helion's (its block sizes do not depend on the first sizes).
+    """
+    if not any(loop is not None for loop in config.get("reduction_loops") or ()):
+        return None
+    return tuple(tuple(next_power_of_2(int(s)) for s in a.shape) for a in args if isinstance(a, torch.Tensor))
 
 
 def _fit_config(spec: Any, config: Config) -> Config:

@@ -44,7 +44,7 @@ def _write_kv_cache(
             hl.store(v_cache, [slot, heads, dims], value[tile_t, tile_h, tile_d], extra_mask=keep[:, None, None])
 
 
-write_kv_cache_kernel = HelionFunction(_write_kv_cache)
+write_kv_cache_kernel = HelionFunction(_write_kv_cache, memory_bound=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -59,7 +59,11 @@ def default_write_kv_cache_config(key: Mapping[str, Any]) -> Config:
     block_h = min(next_power_of_2(heads), max(1, 1024 // block_d))
     budget = 16384 if interpreter_mode() == "triton" else 2048
     block_t = min(next_power_of_2(tokens), max(1, budget // (block_h * block_d)))
-    return {"block_sizes": [block_t, block_h, block_d], "num_warps": 4, "num_stages": 1}
+    # Up to 4 warps, as many as give every thread a 16-byte vector of the tile (64-wide AMD waves too):
+    # one token of 2 heads x 128 over 4 warps got 4-byte loads.
+    element_bytes = 4 if key.get("dtype") == "float32" else 2
+    warps = min(4, max(1, block_t * block_h * block_d * element_bytes // (16 * 64)))
+    return {"block_sizes": [block_t, block_h, block_d], "num_warps": warps, "num_stages": 1}
 
 
 def write_kv_cache_candidates(key: Mapping[str, Any]) -> list[Config]:

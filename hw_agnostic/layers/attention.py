@@ -18,10 +18,10 @@ anywhere, except that a sliding window then counts real tokens only.
 
 :class:`PagedAttention` is the layer. It takes over an attention module that follows the
 Hugging Face pattern (projections, norms and rotary embedding in the module, then
-``cache.update(k, v, layer_idx, kwargs=...)`` and an ``attention_interface(...)`` call) by
+``cache.update(k, v, layer_idx, ...)`` and an ``attention_interface(...)`` call) by
 switching the module's class, and runs that module's own forward with the cache argument replaced
 by a *binding*: the binding stores K/V in paged form and hands the paged batch to the attention
-function through ``kwargs`` (:mod:`hw_agnostic.backend.attention` provides the bindings for
+function through the module (:mod:`hw_agnostic.backend.attention` provides the bindings for
 transformers' caches and the attention function). The module's projections, norms and rotary code
 run unchanged, so what differs from Hugging Face is exactly the KV storage and the attention kernel;
 the module keeps its parameters, names, hooks and ``isinstance``.
@@ -42,8 +42,6 @@ from ..ops.paged_attention import paged_attention
 from ..ops.write_kv_cache import write_kv_cache
 from .base import PluggableLayer, resolve
 
-#: Keyword through which a binding hands the paged batch to the attention function.
-PAGED_BATCH_KWARG = "hw_agnostic_paged_batch"
 
 
 @dataclasses.dataclass
@@ -257,8 +255,8 @@ class PagedKVCache:
 # the layer
 
 #: ``binding(layer, cache, attention_mask, fallback) -> cache object`` passed to the module's forward:
-#: its ``update(k, v, layer_idx, kwargs=...)`` stores K/V and, on the paged path, puts the paged
-#: batch in ``kwargs``; on the fallback path it returns every position's K/V as transformers would.
+#: its ``update(k, v, layer_idx, ...)`` stores K/V and, on the paged path, hands the paged batch to
+#: the attention function; on the fallback path it returns every position's K/V as transformers would.
 CacheBinding = Callable[["PagedAttention", Any, Optional[Tensor], bool], Any]
 
 @dataclasses.dataclass
@@ -295,6 +293,9 @@ class _PagedState:
     # gets its window from the cache evicting old tokens, which a paged view does not do.
     passes_window: bool
     kv: Optional[PagedKVCache] = None  # this layer's own paged view, for plain (non-batching) caches
+    # What the binding hands the attention function for the call in progress: the paged batch,
+    # the transient pages of a forward without a cache, or None (the module's own attention).
+    pending: Any = None
 
 
 def _call_shape(forward: Callable[..., Any]) -> tuple[tuple[str, ...], str, bool]:
@@ -396,11 +397,12 @@ class PagedAttention(PluggableLayer):
                 value = arguments.pop(name)
                 cache = value if cache is None else cache
         fallback = self.needs_fallback(arguments.get("hidden_states"))
+        state.pending = None
         if cache is None:
             # No cache: the module's cache code must not run, so its K/V reach the attention
             # function directly, which pages them for this one forward.
             if not fallback:
-                arguments[PAGED_BATCH_KWARG] = TransientPages(state.block_size, arguments.get("attention_mask"))
+                state.pending = TransientPages(state.block_size, arguments.get("attention_mask"))
         else:
             arguments[state.cache_name] = state.bind_cache(self, cache, arguments.get("attention_mask"), fallback)
         return type(self)._hw_agnostic_base.forward(self, **arguments)

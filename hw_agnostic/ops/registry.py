@@ -48,7 +48,8 @@ from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 from ..autotune import cache as config_cache
 from ..autotune.keys import make_key
-from ..autotune.platform import platform_of
+from ..autotune.platform import compile_target, platform_of
+from ..kernels import targets
 from ..kernels.interpret import interpreter_mode
 from ..kernels.runtime import KernelSpec
 
@@ -57,6 +58,8 @@ log = logging.getLogger("hw_agnostic.ops")
 PROVIDER_ENV = "HW_AGNOSTIC_PROVIDER"
 COMPILE_ENV = "HW_AGNOSTIC_COMPILE_REFERENCE"
 GPU_DEVICES = frozenset({"cuda", "xpu"})
+#: Devices whose calls a Triton-generating provider takes in compile-for-target mode.
+TARGET_MODE_DEVICES = frozenset({"cpu", "meta"})
 
 
 class ProviderError(RuntimeError):
@@ -89,9 +92,15 @@ class Provider:
     tuning_key: Callable[[Any], dict[str, Any]] | None = None
     available: Callable[[], str | None] = _always_available
 
+    def compiles_for_targets(self, call: Any) -> bool:
+        """In compile-for-target mode a provider generating Triton takes CPU and meta calls:
+        its launches are compiled for the targets, and the reference computes the results."""
+        return (call.device in TARGET_MODE_DEVICES and "triton" in self.interpreters
+                and targets.active_mode() is not None)
+
     def why_not(self, call: Any) -> str | None:
         """None when this provider can run a call with this key, else the reason."""
-        if call.device not in self.devices:
+        if call.device not in self.devices and not self.compiles_for_targets(call):
             mode = interpreter_mode() if call.device == "cpu" else None
             if mode is None or mode not in self.interpreters:
                 supported = ", ".join(sorted(self.devices)) or "none"
@@ -117,11 +126,14 @@ class Plan:
     skipped: dict[str, str]
     run: Callable[..., Any]
     calls: int = 0
+    note: str | None = None
 
     def describe(self) -> str:
         parts = [f"{self.op}: {self.provider}"]
         if self.config is not None:
             parts.append(f"config {self.config.config} from {self.config.describe()}")
+        if self.note:
+            parts.append(self.note)
         if self.skipped:
             parts.append("skipped " + "; ".join(f"{name}: {why}" for name, why in self.skipped.items()))
         return ", ".join(parts) + f" [{self.key}]"
@@ -281,10 +293,14 @@ class Op:
                 continue
             reason = provider.why_not(key)
             if reason is None:
-                built = self._build(provider, key, args, skipped)
+                note = None
+                if provider.compiles_for_targets(key):
+                    built, note = self._build_for_targets(provider, key, args, skipped)
+                else:
+                    built = self._build(provider, key, args, skipped)
                 if built is not None:
                     run, choice = built
-                    plan = Plan(self.name, key, provider.name, choice, skipped, run)
+                    plan = Plan(self.name, key, provider.name, choice, skipped, run, note=note)
                     if inherited is None:
                         self._plans[key] = plan
                     else:
@@ -301,9 +317,9 @@ class Op:
         raise AssertionError(f"{self.name}: the reference provider refused a call: {skipped}")
 
     def _build(
-        self, provider: Provider, key: Any, args: tuple[Any, ...], skipped: dict[str, str]
+        self, provider: Provider, key: Any, args: tuple[Any, ...], skipped: dict[str, str], target: str | None = None
     ) -> tuple[Callable[..., Any], config_cache.ConfigChoice | None] | None:
-        choice = self._config_for(provider, key, args) if provider.kernel is not None else None
+        choice = self._config_for(provider, key, args, target) if provider.kernel is not None else None
         try:
             return provider.build(key, None if choice is None else choice.config, args), choice
         except Exception as err:
@@ -322,15 +338,56 @@ class Op:
             )
             return provider.build(key, choice.config, args), choice
 
-    def _config_for(self, provider: Provider, key: Any, args: tuple[Any, ...]) -> config_cache.ConfigChoice:
+    def _build_for_targets(
+        self, provider: Provider, key: Any, args: tuple[Any, ...], skipped: dict[str, str]
+    ) -> tuple[tuple[Callable[..., Any], config_cache.ConfigChoice | None] | None, str | None]:
+        """Compile-for-target mode: each target builds with the config a GPU of it would get, the
+        launches compile instead of running, and the reference computes (unless the mode says not)."""
+        mode = targets.active_mode()
+        assert mode is not None
+        groups: dict[str, list[str]] = {}
+        for target in mode.targets:
+            choice = self._config_for(provider, key, args, target.name) if provider.kernel is not None else None
+            groups.setdefault(repr(choice and choice.config), []).append(target.name)
+        launches = []
+        for names in groups.values():
+            built = self._build(provider, key, args, skipped, target=names[0])
+            if built is None:
+                return None, None
+            launches.append((tuple(names), *built))
+        reference_run = self.providers[-1].build(key, None, args) if mode.run_reference else None
+        name = self.name
+
+        def run(*call_args: Any) -> Any:
+            result = None
+            with targets.launched_by(name):
+                for names, kernel_run, _ in launches:
+                    with targets.only(names):
+                        result = kernel_run(*call_args)
+            return result if reference_run is None else reference_run(*call_args)
+
+        where = "; ".join(", ".join(names) + (f" (config {choice.config} from {choice.describe()})"
+                                               if len(launches) > 1 and choice is not None else "")
+                          for names, _, choice in launches)
+        note = f"compiled for {where}, " + ("results from the reference" if reference_run else "not run")
+        return (run, launches[0][2]), note
+
+    def _config_for(self, provider: Provider, key: Any, args: tuple[Any, ...],
+                    target: str | None = None) -> config_cache.ConfigChoice:
         assert provider.kernel is not None and provider.tuning_key is not None
         tuning_key = make_key(provider.tuning_key(key), key.tokens)
         override = _config_overrides.get(_family(self.name))
         if override is not None:
             return config_cache.ConfigChoice(dict(override), "override", "exact", tuning_key)
-        platform = platform_of(_first_device(args))
+        device = _first_device(args)
+        if provider.compiles_for_targets(key):  # what a GPU of this target would launch
+            mode = targets.active_mode()
+            return config_cache.lookup(provider.kernel, mode.platform or platform_of(device), tuning_key,
+                                       warn_if_missing=False, target=target)
+        platform = platform_of(device)
         return config_cache.lookup(
-            provider.kernel, platform, tuning_key, warn_if_missing=platform != "triton_interpreter"
+            provider.kernel, platform, tuning_key, warn_if_missing=platform != "triton_interpreter",
+            target=compile_target(device),
         )
 
 
@@ -475,6 +532,7 @@ def reset() -> None:
 
 
 config_cache.on_change(reset)
+targets.on_mode_change(reset)
 
 
 def _op_name(op: str | Op | Callable[..., Any]) -> str:

@@ -157,6 +157,8 @@ def _shrunk(values: dict[str, Any]) -> dict[str, Any]:
             elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
                 index = {old: new for new, old in enumerate(layers)}
                 out[name] = {type(k)(index[int(k)]): v for k, v in value.items() if int(k) in index}
+    if values.get("is_decoder") is False and "d_model" not in values:  # used as a causal LM: a decoder
+        out["is_decoder"] = True
     heads, kv_heads = values.get("num_attention_heads"), values.get("num_key_value_heads")
     if isinstance(heads, int) and heads == kv_heads:  # multi-head attention stays multi-head
         out["num_key_value_heads"] = SIZES["num_attention_heads"]

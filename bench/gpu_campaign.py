@@ -1,0 +1,358 @@
+"""The first GPU run, prepared: install, GPU tests, tune the headline shapes, bench, pack results.
+
+``make gpu-campaign`` on a fresh GPU machine (no network; the wheels it lacks travel in
+``.whl/``, see ``make gpu-wheels``) runs, each phase in its own process under its own time
+budget, all inside ``--budget`` seconds (9 minutes by default):
+
+1. ``install``: the carried wheels into a private target directory (helion, liger-kernel,
+   filecheck, transformers), then an import check of hw_agnostic, helion and liger_kernel;
+2. ``tests``: the GPU test tier (``tests/test_gpu.py`` and every op's DSL harness on the GPU);
+3. ``compile-check``: what compile-for-target mode predicts for this GPU's target (registers,
+   spills, shared memory, matrix instruction) next to what the JIT really built, per kernel;
+4. ``autotune``: the headline shapes of each op (Llama-3-8B, Qwen3-30B-A3B) within a time budget,
+   saved after every key, written as the tuned-config files to ship;
+5. ``bench``: ``python -m bench`` with those configs against HF eager, ``torch.compile`` and
+   Liger, copy bandwidth measured in the same run, with plots;
+6. ``pack``: everything into ``$OUT`` (at most 8 files): ``summary.md``, the bench CSV and
+   markdown, ``tuned_configs.tar.gz`` (``<platform>/<kernel>.json``, to commit under
+   ``hw_agnostic/autotune_cache/``), and ``campaign.tar.gz`` with every log, plot and file.
+
+A phase that fails or runs out of time is recorded and the next one runs. ``--dry-run`` runs
+the same phases on a CPU (the Triton interpreter, a tiny subset, seconds of budget), which is
+how CI knows the script works before a GPU ever runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+WHEELS = REPO / ".whl"
+#: The ops and shapes tuned on the GPU: Llama-3-8B's layers (decode, a batch, a prefill chunk)
+#: and Qwen3-30B-A3B's experts. (op, width, token counts)
+HEADLINE = (
+    ("rms_norm", 4096, (1, 128, 4096)),
+    ("fused_add_rms_norm", 4096, (1, 128, 4096)),
+    ("silu_and_mul", 14336, (1, 128, 4096)),
+    ("write_kv_cache", 128, (1, 128, 4096)),
+    ("paged_attention", 128, (1, 128, 4096)),
+    ("moe_route", 2048, (1, 128, 4096)),
+    ("fused_experts", 2048, (1, 128, 4096)),
+)
+DRY_HEADLINE = (("rms_norm", 64, (3,)),)
+
+
+@dataclasses.dataclass
+class Phase:
+    name: str
+    budget_s: float
+    status: str = "not run"
+    seconds: float = 0.0
+    detail: str = ""
+
+
+class Campaign:
+    def __init__(self, out: Path, work: Path, budget_s: float, dry_run: bool) -> None:
+        self.out, self.work, self.dry_run = out, work, dry_run
+        self.deadline = time.monotonic() + budget_s
+        self.started = time.monotonic()
+        self.phases: list[Phase] = []
+        self.log_path = work / "campaign.log"
+        self.env = dict(os.environ)
+        self.env["PYTHONUNBUFFERED"] = "1"
+        self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), self.env.get("PYTHONPATH", "")]))
+        self.env["HW_AGNOSTIC_CACHE_DIR"] = str(work / "tuned")
+        if dry_run:
+            self.env.setdefault("HW_AGNOSTIC_COMPILE_REFERENCE", "0")
+
+    def say(self, message: str) -> None:
+        line = f"[{time.monotonic() - self.started:6.1f}s] {message}"
+        print(line, flush=True)
+        with open(self.log_path, "a") as handle:
+            handle.write(line + "\n")
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def run(self, phase: Phase, command: list[str], *, env: dict[str, str] | None = None, log_name: str) -> bool:
+        """Run one phase's command under its budget (cut to what the campaign has left)."""
+        # A CPU dry run pays interpreter and import time, not GPU time: three times the budget.
+        budget = min(phase.budget_s * (3 if self.dry_run else 1), self.remaining() - self.reserve())
+        self.phases.append(phase)
+        if budget < 5:
+            phase.status, phase.detail = "skipped", "no time left"
+            self.say(f"{phase.name}: skipped, no time left")
+            return False
+        self.say(f"{phase.name}: {' '.join(command)} (budget {budget:.0f} s)")
+        start = time.monotonic()
+        with open(self.work / log_name, "w") as log:
+            try:
+                done = subprocess.run(command, cwd=REPO, env=env or self.env, stdout=log, stderr=subprocess.STDOUT,
+                                      timeout=budget)
+                code: int | None = done.returncode
+            except subprocess.TimeoutExpired:
+                code = None
+        phase.seconds = time.monotonic() - start
+        tail = _tail(self.work / log_name)
+        if code is None:
+            phase.status, phase.detail = "timed out", tail
+        elif code == 0:
+            phase.status, phase.detail = "ok", tail
+        else:
+            phase.status, phase.detail = f"failed ({code})", tail
+        self.say(f"{phase.name}: {phase.status} in {phase.seconds:.0f} s; {tail.splitlines()[-1] if tail else ''}")
+        return code == 0
+
+    def reserve(self) -> float:
+        """Seconds kept back for packing the results."""
+        return 5.0 if self.dry_run else 20.0
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+# --------------------------------------------------------------------------------------------
+# phases
+
+
+def install(c: Campaign) -> None:
+    """The carried wheels into a target directory the later phases put first on their path."""
+    phase = Phase("install", 90)
+    wheels = sorted(WHEELS.glob("*.whl"))
+    if wheels:
+        site = c.work / "site"
+        ok = c.run(phase, [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                           "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, wheels)],
+                   log_name="install.log")
+        if ok:
+            c.env["PYTHONPATH"] = os.pathsep.join([str(site), c.env["PYTHONPATH"]])
+    else:
+        c.phases.append(phase)
+        phase.status, phase.detail = "ok", "no .whl/ folder: using the packages already installed"
+        c.say("install: no .whl/, using the installed packages")
+    check = ("import importlib, importlib.metadata, json\n"
+             "found = {}\n"
+             "for name, dist in (('torch', 'torch'), ('triton', 'triton'), ('helion', 'helion'),\n"
+             "                   ('transformers', 'transformers'), ('liger_kernel', 'liger-kernel'),\n"
+             "                   ('hw_agnostic', 'hw-agnostic')):\n"
+             "    try:\n"
+             "        module = importlib.import_module(name)\n"
+             "        try:\n"
+             "            found[name] = importlib.metadata.version(dist)\n"
+             "        except importlib.metadata.PackageNotFoundError:\n"
+             "            found[name] = getattr(module, '__version__', 'importable') + f' ({module.__file__})'\n"
+             "    except Exception as err:\n"
+             "        found[name] = f'missing ({type(err).__name__}: {err})'\n"
+             "import torch\n"
+             "found['device'] = torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'\n"
+             "print(json.dumps(found))\n")
+    c.run(Phase("versions", 60), [sys.executable, "-c", check], log_name="versions.log")
+
+
+def tests(c: Campaign) -> None:
+    """The GPU tier: what only a GPU can check, and every op's harness on real launches."""
+    report = c.work / "tests.xml"
+    if c.dry_run:
+        env = {**c.env, "TRITON_INTERPRET": "1"}
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "dsl", "-k",
+                   "test_rms_norm_dsl and 7x37-float32-llama", f"--junitxml={report}", "tests/ops/test_rms_norm.py"]
+        c.run(Phase("tests", 120), command, env=env, log_name="tests.log")
+        return
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "8", "-m", "gpu or dsl",
+               f"--junitxml={report}", "tests/test_gpu.py", "tests/ops"]
+    c.run(Phase("tests", 150), command, log_name="tests.log")
+
+
+def compile_check(c: Campaign) -> None:
+    script = c.work / "compile_check.py"
+    script.write_text(_COMPILE_CHECK)
+    command = [sys.executable, str(script), "dry" if c.dry_run else "gpu", str(c.work / "compile_check.json")]
+    c.run(Phase("compile-check", 60), command, log_name="compile_check.log")
+
+
+_COMPILE_CHECK = r'''
+"""Compile-for-target mode's predictions for this GPU's target next to what the JIT built on it."""
+import json
+import sys
+
+import torch
+from triton import knobs
+
+from hw_agnostic.autotune.platform import compile_target
+from hw_agnostic.kernels import targets
+from hw_agnostic.ops.registry import get_op
+
+dry = sys.argv[1] == "dry"
+target = "sm_90" if dry else compile_target(torch.device("cuda"))
+shapes = [("rms_norm", 4, 64)] if dry else [("rms_norm", 128, 4096), ("silu_and_mul", 128, 14336),
+                                             ("write_kv_cache", 128, 128), ("paged_attention", 4096, 128),
+                                             ("fused_experts", 128, 2048)]
+if target is None:
+    sys.exit("this GPU is none of the compile targets")
+compiled = []
+
+
+def keep(*args, **kwargs):
+    compiled.append(kwargs.get("key"))
+
+
+rows = []
+for name, tokens, width in shapes:
+    op = get_op(name)
+    with targets.compile_for([target], run_reference=False) as log:
+        op(*op.example_inputs(tokens, width, torch.bfloat16, "meta"))
+    predicted = {r.kernel: r for r in log.records}
+    real = {}
+    if not dry:
+        seen = []
+        knobs.runtime.jit_post_compile_hook = lambda *a, **k: seen.append(k) or False
+        try:
+            op(*op.example_inputs(tokens, width, torch.bfloat16, "cuda"))
+            torch.cuda.synchronize()
+        finally:
+            knobs.runtime.jit_post_compile_hook = None
+        for info in seen:
+            fn, key = info.get("fn"), info.get("key")
+            if fn is None:
+                continue
+            name = fn.jit_function.fn.__name__.removeprefix("_helion__").lstrip("_")
+            try:  # the loaded kernel's own numbers (JIT internals: recorded, never fatal)
+                kernel = fn.jit_function.device_caches[torch.cuda.current_device()][0][key]
+                kernel._init_handles()
+                real[name] = {"registers": kernel.n_regs, "spills": kernel.n_spills, "shared": kernel.metadata.shared}
+            except Exception as err:
+                real[name] = {"error": f"{type(err).__name__}: {err}"}
+    for kernel, record in predicted.items():
+        rows.append({"op": name, "tokens": tokens, "width": width, "kernel": kernel, "target": target,
+                     "config": record.config, "predicted": {"registers": record.registers,
+                     "spills": record.spill_bytes, "shared": record.shared, "matrix": record.matrix,
+                     "load_bits": record.load_bits}, "real": real.get(kernel), "problems": record.problems()})
+json.dump(rows, open(sys.argv[2], "w"), indent=1)
+for row in rows:
+    print(row["op"], row["kernel"], "predicted", row["predicted"], "real", row["real"])
+'''
+
+
+def autotune(c: Campaign) -> None:
+    """The headline shapes of each op, within a budget split evenly between the ops."""
+    headline = DRY_HEADLINE if c.dry_run else HEADLINE
+    budget = 90 if c.dry_run else 150
+    per_op = max(3.0, (min(budget, c.remaining() - c.reserve() - (60 if not c.dry_run else 5)) - 15) / len(headline))
+    device = "cpu" if c.dry_run else "cuda"
+    script = (
+        "import json, sys, torch\n"
+        "from hw_agnostic.autotune.tuner import tune\n"
+        "from hw_agnostic.ops.registry import get_op\n"
+        f"headline, per_op, device = json.loads(sys.argv[1]), {per_op!r}, {device!r}\n"
+        "for name, width, tokens in headline:\n"
+        "    results = tune(get_op(name), [(t, width) for t in tokens], dtype=torch.bfloat16, device=device,\n"
+        f"                   budget_s=per_op, root=sys.argv[2], progress=False)\n"
+        "    for r in results:\n"
+        "        print(name, r.status, r.key, r.config, r.time_us, f'tried {r.tried}', flush=True)\n"
+    )
+    env = {**c.env, "TRITON_INTERPRET": "1"} if c.dry_run else c.env
+    command = [sys.executable, "-c", script, json.dumps(headline), str(c.work / "tuned")]
+    c.run(Phase("autotune", budget), command, env=env, log_name="autotune.log")
+
+
+def bench(c: Campaign) -> None:
+    """The bench with the configs just tuned (the user cache points at them)."""
+    if c.dry_run:
+        # The same CLI on one small workload: the CPU grid takes minutes (a torch.compile per shape).
+        # If the bench stops reading ops_suite._grid, this runs the whole grid and the dry run times out.
+        one = ("import sys, torch, bench.ops_suite as suite\n"
+               "suite._grid = lambda device, quick: [('rms_norm', 16, 128, torch.bfloat16)]\n"
+               "from bench.__main__ import main\n"
+               "sys.exit(main(sys.argv[1:]))\n")
+        command = [sys.executable, "-c", one, "--device", "cpu", "--quick", "--suites", "ops",
+                   "--out", str(c.work / "bench")]
+        c.run(Phase("bench", 150), command, log_name="bench.log")
+        return
+    command = [sys.executable, "-m", "bench", "--device", "auto", "--quick", "--out", str(c.work / "bench")]
+    c.run(Phase("bench", 240), command, log_name="bench.log")
+
+
+def pack(c: Campaign) -> None:
+    """At most 8 files into $OUT: the summary, the bench tables, the configs, and one archive."""
+    c.out.mkdir(parents=True, exist_ok=True)
+    tuned = c.work / "tuned"
+    if tuned.exists() and any(tuned.glob("*/*.json")):
+        with tarfile.open(c.out / "tuned_configs.tar.gz", "w:gz") as archive:
+            for path in sorted(tuned.glob("*/*.json")):
+                archive.add(path, arcname=str(path.relative_to(tuned)))
+    for name in ("results.csv", "results.md"):
+        source = c.work / "bench" / name
+        if source.exists():
+            shutil.copy(source, c.out / f"bench_{name}")
+    summary = summary_markdown(c)
+    (c.work / "summary.md").write_text(summary)
+    (c.out / "summary.md").write_text(summary)
+    with tarfile.open(c.out / "campaign.tar.gz", "w:gz") as archive:
+        for path in sorted(c.work.rglob("*")):
+            if path.is_file() and "site" not in path.relative_to(c.work).parts:
+                archive.add(path, arcname=str(path.relative_to(c.work)))
+    c.say(f"pack: wrote {', '.join(sorted(p.name for p in c.out.iterdir()))} to {c.out}")
+
+
+def summary_markdown(c: Campaign) -> str:
+    lines = ["# GPU campaign" + (" (dry run on the CPU)" if c.dry_run else ""), "",
+             f"`python bench/gpu_campaign.py{' --dry-run' if c.dry_run else ''}`, "
+             f"{time.monotonic() - c.started:.0f} s in all.", "",
+             "| phase | status | seconds |", "|---|---|---|"]
+    lines += [f"| {p.name} | {p.status} | {p.seconds:.0f} |" for p in c.phases]
+    for p in c.phases:
+        if p.detail:
+            lines += ["", f"## {p.name}", "", "```", p.detail, "```"]
+    tuned = sorted(str(p.relative_to(c.work / "tuned")) for p in (c.work / "tuned").glob("*/*.json")) \
+        if (c.work / "tuned").exists() else []
+    lines += ["", "## Tuned configs", "", ", ".join(tuned) or "none"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python bench/gpu_campaign.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or REPO / "campaign-out"),
+                        help="where the results go (default: $OUT, else ./campaign-out)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 540; dry 300)")
+    parser.add_argument("--dry-run", action="store_true", help="the same phases on a CPU, tiny and interpreted")
+    parser.add_argument("--phases", default="install,tests,compile-check,autotune,bench",
+                        help="comma-separated subset of the phases to run (pack always runs)")
+    args = parser.parse_args(argv)
+    budget = args.budget if args.budget is not None else (300.0 if args.dry_run else 540.0)
+    phases = {"install": install, "tests": tests, "compile-check": compile_check, "autotune": autotune,
+              "bench": bench}
+    wanted = [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = [p for p in wanted if p not in phases]
+    if unknown:
+        print(f"error: unknown phases {unknown}; phases: {', '.join(phases)}", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="hw_agnostic_campaign_"))
+    campaign = Campaign(args.out, work, budget, args.dry_run)
+    campaign.say(f"campaign{' (dry run)' if args.dry_run else ''}: budget {budget:.0f} s, work {work}, out {args.out}")
+    try:
+        for name in wanted:
+            phases[name](campaign)
+    finally:
+        pack(campaign)
+    failed = [p.name for p in campaign.phases if p.status != "ok"]
+    campaign.say("done" + (f"; not ok: {', '.join(failed)}" if failed else ", every phase ok"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
