@@ -20,6 +20,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
 
 from hw_agnostic import ops
 from hw_agnostic.autotune.shapes import TOKEN_COUNTS, widths
@@ -30,9 +32,9 @@ from .timing import measure_all
 class HFAddRMSNorm(nn.Module):
     """What an HF decoder layer does around a norm: ``residual + hidden``, then the norm."""
 
-    def __init__(self, hidden: int) -> None:
+    def __init__(self, hidden: int, norm: type[nn.Module] = LlamaRMSNorm) -> None:
         super().__init__()
-        self.norm = LlamaRMSNorm(hidden)
+        self.norm = norm(hidden)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         summed = residual + x
@@ -91,7 +93,8 @@ def _grid(device: torch.device, quick: bool) -> list[tuple[str, int, int, torch.
     if device.type != "cpu":
         dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16)
         tokens = (1, 128, 4096) if quick else TOKEN_COUNTS
-        names = ("rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_", "silu_and_mul", "gelu_and_mul", "swiglu_oai")
+        names = ("rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_", "silu_and_mul", "gelu_and_mul", "swiglu_oai",
+                 "layer_norm", "fused_add_layer_norm", "fused_add_layer_norm_", "gated_rms_norm")
         return [(op, t, w, d) for op in names for w in widths(op) for t in tokens for d in dtypes]
     # The CPU has minutes, not hours: Llama-3-8B/70B widths, a head-dim norm, four token counts.
     tokens = (1, 16, 4096) if quick else (1, 16, 256, 4096)
@@ -100,7 +103,8 @@ def _grid(device: torch.device, quick: bool) -> list[tuple[str, int, int, torch.
         for op, op_widths in (("rms_norm", (128, 4096, 8192)), ("fused_add_rms_norm", (4096, 8192)),
                               ("fused_add_rms_norm_", (4096, 8192)),
                               ("silu_and_mul", (2048, 4096, 14336)), ("gelu_and_mul", (4096,)),
-                              ("swiglu_oai", (2880,))):
+                              ("swiglu_oai", (2880,)), ("layer_norm", (4096,)), ("fused_add_layer_norm", (4096,)),
+                              ("fused_add_layer_norm_", (4096,)), ("gated_rms_norm", (128, 8192))):
             grid += [(op, t, w, dtype) for w in op_widths for t in tokens]
     return grid
 
@@ -112,6 +116,8 @@ def _workload(op: str, tokens: int, width: int, dtype: torch.dtype, device: torc
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
     size = torch.finfo(dtype).bits // 8
+    if op in ("layer_norm", "fused_add_layer_norm", "fused_add_layer_norm_", "gated_rms_norm"):
+        return _layer_or_gated_norm(op, tokens, width, dtype, device, randn, size)
     if op in ("rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_"):
         x = randn(tokens, width)
         hf = LlamaRMSNorm(width).to(device=device, dtype=dtype) if op == "rms_norm" else HFAddRMSNorm(width).to(
@@ -139,6 +145,40 @@ def _workload(op: str, tokens: int, width: int, dtype: torch.dtype, device: torc
                         {"hf_eager": HFGatedAct("gelu_pytorch_tanh")}, (x,), (x, "tanh"))
     return Workload(op, tokens, width, dtype, moved, lambda: ops.swiglu_oai(x), {"hf_eager": HFGptOssGate()},
                     (x,), (x, 1.702, 7.0, True))
+
+
+def _layer_or_gated_norm(op: str, tokens: int, width: int, dtype: torch.dtype, device: torch.device,
+                         randn: Callable[..., torch.Tensor], size: int) -> Workload:
+    x = randn(tokens, width)
+    if op == "gated_rms_norm":
+        # Head-dim rows are Qwen3-Next's norm-then-gate; wide rows Mamba-2's gate-then-norm in 8 groups.
+        if width <= 256:
+            hf, kwargs = Qwen3NextRMSNormGated(width), {}
+        else:
+            hf, kwargs = MambaRMSNormGated(width, group_size=width // 8), {"order": "gate_then_norm",
+                                                                           "group_size": width // 8}
+        hf = hf.to(device=device, dtype=dtype)
+        weight, gate = hf.weight.detach(), randn(tokens, width)
+        weight.copy_(randn(width))
+        args = (x, gate, weight, 1e-6, kwargs.get("order", "norm_then_gate"), kwargs.get("group_size"), "llama", "silu")
+        return Workload(op, tokens, width, dtype, (3 * tokens + 1) * width * size,
+                        lambda: ops.gated_rms_norm(x, gate, weight, 1e-6, **kwargs), {"hf_eager": hf}, (x, gate), args)
+    hf = (nn.LayerNorm(width) if op == "layer_norm" else HFAddRMSNorm(width, nn.LayerNorm)).to(device=device, dtype=dtype)
+    norm = hf if op == "layer_norm" else hf.norm
+    weight, bias = norm.weight.detach(), norm.bias.detach()
+    weight.copy_(randn(width))
+    bias.copy_(randn(width))
+    if op == "layer_norm":
+        return Workload(op, tokens, width, dtype, (2 * tokens + 2) * width * size,
+                        lambda: ops.layer_norm(x, weight, bias), {"hf_eager": hf}, (x,), (x, weight, bias, 1e-5, "fp32"))
+    residual = randn(tokens, width)
+    if op == "fused_add_layer_norm_":  # the serving form: results written over x and residual
+        mine_x, mine_residual = x.clone(), residual.clone()
+        ours = lambda: ops.fused_add_layer_norm(mine_x, mine_residual, weight, bias, inplace=True)  # noqa: E731
+    else:
+        ours = lambda: ops.fused_add_layer_norm(x, residual, weight, bias)  # noqa: E731
+    return Workload(op, tokens, width, dtype, (4 * tokens + 2) * width * size, ours, {"hf_eager": hf},
+                    (x, residual), (x, residual, weight, bias, 1e-5, "fp32"))
 
 
 def _liger(workload: Workload) -> Callable[[], Any] | None:

@@ -31,11 +31,12 @@ from .kernels import targets as compile_targets
 
 DEFAULT_OUT = Path("bench/results/compile")
 #: Ops whose kernels another op already launches on the same shapes (the in-place form).
-SAME_KERNELS_AS = {"fused_add_rms_norm_": "fused_add_rms_norm"}
+SAME_KERNELS_AS = {"fused_add_rms_norm_": "fused_add_rms_norm", "fused_add_layer_norm_": "fused_add_layer_norm"}
 #: One model shape per op, for quick walks: Llama-3-8B's widths, head dim 128, Qwen3-30B-A3B's experts.
 HEADLINE_WIDTHS = {"rms_norm": 4096, "fused_add_rms_norm": 4096, "silu_and_mul": 14336, "gelu_and_mul": 14336,
                    "swiglu_oai": 2880, "write_kv_cache": 128, "paged_attention": 128, "moe_route": 2048,
-                   "moe_align": 2048, "grouped_gemm": 2048, "fused_experts": 2048}
+                   "moe_align": 2048, "grouped_gemm": 2048, "fused_experts": 2048, "layer_norm": 4096,
+                   "fused_add_layer_norm": 4096, "gated_rms_norm": 8192}
 
 
 @dataclasses.dataclass(frozen=True)

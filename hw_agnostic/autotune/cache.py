@@ -28,13 +28,14 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from .keys import KeyValue, key_string, nearest_key
+from .keys import TOKENS, KeyValue, key_string, nearest_key
 
 log = logging.getLogger(__name__)
 
@@ -123,25 +124,40 @@ def _warn_once(path: Path, reason: str) -> None:
         log.warning("hw_agnostic: ignoring tuned configs in %s: %s; using defaults", path, reason)
 
 
-def parse_file(path: Path, kernel: TunableKernel, platform: str) -> _ParsedFile:
-    """Read and check one config file; raises :class:`CacheFileError` saying what is wrong."""
+def _read_document(path: Path) -> dict[str, Any]:
+    """The file's JSON object; raises :class:`CacheFileError` for anything else (any bytes at all)."""
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as err:
         raise CacheFileError(f"unreadable ({err.strerror or err})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise CacheFileError(f"not UTF-8 text (invalid byte at offset {err.start})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise CacheFileError(f"corrupt JSON ({err.msg} at line {err.lineno})") from None
+    except (RecursionError, ValueError) as err:  # nested past the parser's depth; a number of 5000 digits
+        raise CacheFileError(f"corrupt JSON ({type(err).__name__}: {str(err)[:80]})") from None
     if not isinstance(data, dict):
         raise CacheFileError("corrupt: top level is not an object")
+    return data
+
+
+def parse_file(path: Path, kernel: TunableKernel, platform: str) -> _ParsedFile:
+    """Read and check one config file; raises :class:`CacheFileError` saying what is wrong."""
+    return _parse(_read_document(path), kernel, platform)
+
+
+def _parse(data: dict[str, Any], kernel: TunableKernel, platform: str) -> _ParsedFile:
     if data.get("schema_version") != SCHEMA_VERSION:
         raise CacheFileError(
-            f"schema_version {data.get('schema_version')!r}, this library reads {SCHEMA_VERSION}"
+            f"schema_version {_short(data.get('schema_version'))}, this library reads {SCHEMA_VERSION}"
         )
     if data.get("kernel") != kernel.name or data.get("platform") != platform:
         raise CacheFileError(
-            f"foreign file: it is for kernel {data.get('kernel')!r} on {data.get('platform')!r}, "
+            f"foreign file: it is for kernel {_short(data.get('kernel'))} on {_short(data.get('platform'))}, "
             f"not {kernel.name!r} on {platform!r}"
         )
     if data.get("source_hash") != kernel.source_hash:
@@ -150,12 +166,59 @@ def parse_file(path: Path, kernel: TunableKernel, platform: str) -> _ParsedFile:
     default = data.get("default")
     if not isinstance(raw_entries, list) or (default is not None and not _is_config_holder(default)):
         raise CacheFileError("corrupt: 'entries' must be a list and 'default' an object with 'config'")
+    if default is not None and (problem := _config_problem(default["config"])):
+        raise CacheFileError(f"corrupt: the default config {problem}")
     entries = {}
     for index, entry in enumerate(raw_entries):
         if not (_is_config_holder(entry) and isinstance(entry.get("key"), dict)):
             raise CacheFileError(f"corrupt: entry {index} lacks an object 'key' or 'config'")
+        problem = _key_problem(entry["key"]) or _config_problem(entry["config"])
+        if problem:
+            raise CacheFileError(f"corrupt: entry {index}'s {problem}")
         entries[key_string(entry["key"])] = (entry["key"], entry["config"])
     return _ParsedFile(entries=entries, default=default["config"] if default else None)
+
+
+def _short(value: Any) -> str:
+    text = repr(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _key_problem(key: dict[str, Any]) -> str | None:
+    """Why a stored key cannot be a key (:mod:`.keys`: int, str or bool fields, an int token bucket)."""
+    for name, value in key.items():
+        if not isinstance(value, (int, str, bool)):
+            return f"key field {name!r} is {_short(value)}, not an int, str or bool"
+    tokens = key.get(TOKENS)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        return f"key has no token count (an int >= 0) but {_short(tokens)}"
+    return None
+
+
+# Helion configs hold lists of ints and lists of those; multi-kernel ops hold one config per kernel.
+_CONFIG_DEPTH = 4
+
+
+def _config_problem(config: dict[str, Any]) -> str | None:
+    """Why a stored config is not a launch config: numbers, strings, and lists or objects of them,
+    nested a few levels at most."""
+
+    def plain(value: Any, depth: int) -> bool:
+        if value is None or isinstance(value, (bool, int, str)):
+            return True
+        if isinstance(value, float):
+            return math.isfinite(value)
+        if depth >= _CONFIG_DEPTH:
+            return False
+        if isinstance(value, list):
+            return all(plain(v, depth + 1) for v in value)
+        return isinstance(value, dict) and all(plain(v, depth + 1) for v in value.values())
+
+    for name, value in config.items():
+        if not plain(value, 0):
+            return f"config field {name!r} is not a number, string, or lists and objects of them nested at most " \
+                   f"{_CONFIG_DEPTH} deep"
+    return None
 
 
 def _is_config_holder(value: Any) -> bool:
@@ -169,8 +232,8 @@ def _load(path: Path, kernel: TunableKernel, platform: str, *, expected: bool) -
         if expected:
             _warn_once(path, "no tuned configs for this platform (run `make autotune`)")
         return None
-    except OSError as err:
-        _warn_once(path, f"unreadable ({err.strerror or err})")
+    except (OSError, ValueError) as err:
+        _warn_once(path, f"unreadable ({getattr(err, 'strerror', None) or err})")
         return None
     stamp = (stat.st_mtime_ns, stat.st_size)
     cached = _parsed.get(path)
@@ -180,6 +243,9 @@ def _load(path: Path, kernel: TunableKernel, platform: str, *, expected: bool) -
         parsed = parse_file(path, kernel, platform)
     except CacheFileError as err:
         _warn_once(path, str(err))
+        return None
+    except Exception as err:  # a file content parse_file did not foresee: still never the caller's problem
+        _warn_once(path, f"unusable ({type(err).__name__}: {str(err)[:80]})")
         return None
     _parsed[path] = (stamp, parsed)
     return parsed
@@ -193,7 +259,12 @@ def lookup(
     e.g. ``sm_90``, if the device is one); never raises."""
     key = dict(key)
     files: list[tuple[Source, Path, _ParsedFile]] = []
-    for source, root in (("user", user_root()), ("shipped", SHIPPED_ROOT)):
+    roots: list[tuple[Source, Path]] = [("shipped", SHIPPED_ROOT)]
+    try:
+        roots.insert(0, ("user", user_root()))
+    except (RuntimeError, ValueError, OSError) as err:  # e.g. no home directory to expand ``~`` in
+        _warn_once(Path(os.environ.get(USER_ROOT_ENV, "~")), f"the user config directory is unusable ({err})")
+    for source, root in roots:
         path = config_path(root, platform, kernel.name)
         # A missing user file is the normal case; a missing shipped file is worth one warning,
         # unless the target's compile-chosen defaults stand in for it.
@@ -296,15 +367,17 @@ def _update(
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):
         try:
-            parse_file(path, kernel, platform)
-            data = json.loads(path.read_text())
+            data = _read_document(path)
+            _parse(data, kernel, platform)
         except CacheFileError as err:
             if path.exists():
                 log.warning("hw_agnostic: replacing %s (%s)", path, err)
             data = {"entries": []}
+        data.setdefault("entries", [])
         data.update(schema_version=SCHEMA_VERSION, kernel=kernel.name, platform=platform,
                     source_hash=kernel.source_hash)
-        data["tuned_with"] = dict(tuned_with or data.get("tuned_with") or {})
+        previous = data.get("tuned_with")
+        data["tuned_with"] = dict(tuned_with or (previous if isinstance(previous, dict) else None) or {})
         change(data)
         data["entries"].sort(key=lambda e: key_string(e["key"]))
         order = ("schema_version", "kernel", "platform", "source_hash", "default", "entries", "tuned_with")

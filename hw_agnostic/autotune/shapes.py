@@ -48,8 +48,11 @@ def widths(op_name: str) -> list[int]:
         return sorted({head for *_, head in MODELS})
     if op_name in MOE_OPS:  # the MoE ops' example inputs take the model from its hidden size
         return sorted({m.hidden for m in MOE_MODELS})
-    if op_name in ("rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_"):
+    if op_name in ("rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_", "layer_norm", "fused_add_layer_norm",
+                   "fused_add_layer_norm_"):
         values = {hidden for _, hidden, _, _ in MODELS} | {head for *_, head in MODELS}  # q/k norms
+    elif op_name == "gated_rms_norm":  # per-head rows (Qwen3-Next), Mamba-2 mixer rows (2 x hidden, in 8 groups)
+        values = {head for *_, head in MODELS} | {2 * hidden for _, hidden, _, _ in MODELS}
     else:
         values = {inter for _, _, inter, _ in MODELS}
     return sorted(values)

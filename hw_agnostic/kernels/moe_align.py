@@ -30,14 +30,22 @@ except Exception:  # Helion missing or broken: the ops fall back to other provid
 _constexpr: Any = hl.constexpr if hl is not None else int
 
 
+def _bucket(expert: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """A pair's bucket (int32): its expert, or the last bucket for ids outside ``[0, E)``.
+
+    The range test runs on the ids as loaded: narrowing an int64 id first would turn
+    ``2**32 + 3`` into expert 3.
+    """
+    return torch.where((expert >= 0) & (expert < num_buckets - 1), expert, num_buckets - 1).to(torch.int32)
+
+
 def _count_pairs(ids: torch.Tensor, counts: torch.Tensor, block_p: _constexpr) -> None:
     """``counts[b, e]``: pairs of pair block ``b`` in bucket ``e`` (the last bucket: unrouted)."""
     num_pairs = ids.size(0)
     num_buckets = counts.size(1)
     for tile_p in hl.tile(num_pairs, block_size=block_p):
-        expert = ids[tile_p].to(torch.int32)
         valid = tile_p.index < num_pairs
-        bucket = torch.where((expert >= 0) & (expert < num_buckets - 1), expert, num_buckets - 1)
+        bucket = _bucket(ids[tile_p], num_buckets)
         for tile_e in hl.tile(num_buckets):
             match = (bucket[None, :] == tile_e.index[:, None]) & valid[None, :]
             counts[tile_p.id, tile_e] = torch.sum(match.to(torch.int32), dim=1).to(torch.int32)
@@ -77,9 +85,8 @@ def _scatter_pairs(
     num_pairs = ids.size(0)
     num_buckets = block_base.size(1)
     for tile_p in hl.tile(num_pairs, block_size=block_p):
-        expert = ids[tile_p].to(torch.int32)
         valid = tile_p.index < num_pairs
-        bucket = torch.where((expert >= 0) & (expert < num_buckets - 1), expert, num_buckets - 1)
+        bucket = _bucket(ids[tile_p], num_buckets)
         earlier = (bucket[None, :] == bucket[:, None]) & (tile_p.index[None, :] < tile_p.index[:, None])
         rank = torch.sum(earlier.to(torch.int32), dim=1).to(torch.int32)
         base = hl.load(block_base, [tile_p.id, bucket], extra_mask=valid)
@@ -145,5 +152,5 @@ def align_candidates(key: Mapping[str, Any]) -> list[Config]:
     return candidates
 
 
-MOE_ALIGN = KernelSpec("moe_align", (_count_pairs, _segment_offsets, _scatter_pairs), default_align_config,
+MOE_ALIGN = KernelSpec("moe_align", (_bucket, _count_pairs, _segment_offsets, _scatter_pairs), default_align_config,
                        align_candidates)

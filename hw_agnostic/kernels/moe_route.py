@@ -2,8 +2,10 @@
 
 One program per block of tokens holds whole rows of router logits, scores them (softmax,
 sigmoid, or raw logits for top-k-then-softmax), optionally restricts the choice to the best
-expert groups (DeepSeek-V3), and picks the top-k by repeated arg-max (ties go to the lowest
-expert index). Why Helion for the MoE kernels: see :mod:`.fused_experts`.
+expert groups (DeepSeek-V3), and picks the top-k by repeated arg-max over the experts not yet
+taken (ties go to the lowest expert index; a NaN score ranks with +inf, above every number, as
+``torch.topk`` ranks it), so every id is a distinct expert in ``[0, E)`` whatever the logits
+hold. Why Helion for the MoE kernels: see :mod:`.fused_experts`.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def _route(
         choice = torch.where(in_range, scores, float("-inf"))
         if has_bias:
             choice = choice + hl.load(correction_bias, [tile_e]).to(torch.float32)[None, :]
+        choice = torch.where(choice != choice, float("inf"), choice)  # NaN ranks with +inf
         if n_group > 1:
             # DeepSeek-V3: a group scores the sum of its two best experts; only the topk_group
             # best groups stay eligible.
@@ -70,27 +73,34 @@ def _route(
                 first_at = torch.amin(torch.where(in_group == first, column[None, :], block_e), dim=1, keepdim=True)
                 second = torch.amax(torch.where(column[None, :] == first_at, float("-inf"), in_group), dim=1,
                                     keepdim=True)
-                second = torch.where(second == float("-inf"), 0.0, second)  # one-expert groups
+                members = torch.sum(member.to(torch.float32), dim=1, keepdim=True)
+                second = torch.where(members > 1.0, second, 0.0)  # one-expert groups score their one
                 group_score = torch.where(member, first + second, group_score)
+            group_score = torch.where(group_score != group_score, float("inf"), group_score)
             kept = torch.zeros_like(choice)
             for g in hl.static_range(topk_group):
-                open_score = torch.where((kept == 0.0) & in_range, group_score, float("-inf"))
+                open_group = (kept == 0.0) & in_range
+                open_score = torch.where(open_group, group_score, float("-inf"))
                 best = torch.amax(open_score, dim=1, keepdim=True)
-                best_group = torch.amin(torch.where(open_score == best, group_of[None, :], n_group), dim=1,
-                                        keepdim=True)
+                best_group = torch.amin(torch.where(open_group & (open_score == best), group_of[None, :], n_group),
+                                        dim=1, keepdim=True)
                 kept = torch.where(group_of[None, :] == best_group, 1.0, kept)
             choice = torch.where(kept > 0.0, choice, float("-inf"))
         slot = hl.arange(block_k)
         top_weight = hl.zeros([tile_t, block_k], dtype=torch.float32)
         top_id = hl.zeros([tile_t, block_k], dtype=torch.int32)
+        # Taken (and padding) columns leave the choice: with -inf scores a pick must not repeat.
+        taken = torch.zeros_like(choice) + torch.where(in_range, 0.0, 1.0)
         for k in hl.static_range(top_k):
-            best = torch.amax(choice, dim=1, keepdim=True)
-            best_at = torch.amin(torch.where(choice == best, column[None, :], block_e), dim=1, keepdim=True)
+            open_choice = torch.where(taken == 0.0, choice, float("-inf"))
+            best = torch.amax(open_choice, dim=1, keepdim=True)
+            best_at = torch.amin(torch.where((taken == 0.0) & (open_choice == best), column[None, :], block_e), dim=1,
+                                 keepdim=True)
             hit = column[None, :] == best_at
             value = torch.sum(torch.where(hit, scores, 0.0), dim=1, keepdim=True)
             top_weight = torch.where(slot[None, :] == k, value, top_weight)
             top_id = torch.where(slot[None, :] == k, best_at, top_id)
-            choice = torch.where(hit, float("-inf"), choice)
+            taken = torch.where(hit, 1.0, taken)
         if scoring == "topk_then_softmax":
             top_weight = torch.where(slot[None, :] < top_k, top_weight, float("-inf"))
             exp = torch.exp(top_weight - torch.amax(top_weight, dim=1, keepdim=True))

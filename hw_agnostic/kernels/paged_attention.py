@@ -40,6 +40,10 @@ writes its normalised partial output and log-sum-exp; :func:`_merge_splits` comb
 Every address that comes from data (block ids, slots, row offsets) is clamped or masked into its
 tensor, so malformed metadata gives wrong numbers, never an out-of-bounds access; the op's
 reference path validates the metadata and raises.
+
+NaN and infinities: the P @ V product takes only the finite values (a key a row cannot see has
+probability 0, and 0 * NaN would be NaN); when a program met non-finite values, a second pass
+over its keys adds them to exactly the rows that see them (:func:`_nonfinite_values`).
 """
 
 from __future__ import annotations
@@ -58,6 +62,34 @@ except Exception:  # Helion missing or broken: the ops fall back to the referenc
     hl = None
 
 _constexpr: Any = hl.constexpr if hl is not None else int
+
+
+def _slots(keys: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor, page: int, max_blocks: int,
+           num_slots: int) -> torch.Tensor:
+    """The cache slots of a sequence's keys through its block table, clamped into the cache."""
+    column = torch.clamp(keys // page, 0, max_blocks - 1)
+    block = hl.load(block_table, [seq, column]).to(torch.int64)
+    return torch.clamp(block * page + keys % page, 0, num_slots - 1)
+
+
+def _nonfinite_values(visible: torch.Tensor, v_tile: torch.Tensor) -> torch.Tensor:
+    """``[rows, head_dim]``: NaN, +inf or -inf where a row sees a key whose value is NaN (or both
+    infinities), +inf or -inf in that dim, else 0; inlined into the kernel.
+
+    One dot counts, per row and dim, the visible keys of each kind at once: a NaN counts 1, +inf
+    256 and -inf 65536, in bf16 operands (exact: powers of two) with an fp32 sum, which stays exact
+    and does not carry between kinds while a tile has at most 255 keys (the configs allow 128).
+    """
+    values = v_tile.to(torch.float32)  # compared in fp32: libdevice has no bf16 isnan
+    code = torch.where(values != values, 1.0, torch.where(values == float("inf"), 256.0,
+                       torch.where(values == float("-inf"), 65536.0, 0.0)))
+    counts = hl.dot(visible.to(torch.bfloat16), code.to(torch.bfloat16), out_dtype=torch.float32)
+    negatives = torch.floor(counts * (1.0 / 65536.0))
+    positives = torch.floor(counts * (1.0 / 256.0)) - negatives * 256.0
+    nans = counts - torch.floor(counts * (1.0 / 256.0)) * 256.0
+    poisoned = (nans > 0.0) | ((positives > 0.0) & (negatives > 0.0))
+    return torch.where(poisoned, float("nan"), torch.where(positives > 0.0, float("inf"),
+                       torch.where(negatives > 0.0, float("-inf"), 0.0)))
 
 
 def _paged_attention(
@@ -87,6 +119,7 @@ def _paged_attention(
     q_rows = q.size(0)
     num_slots = k_cache.size(0)
     max_blocks = block_table.size(1)
+    block_keys = hl.register_block_size(num_slots)  # one key tile for both passes over the keys
     for tile_s, tile_h, tile_k, tile_p in hl.tile(
         [num_seqs, num_kv_heads, num_splits, packed_rows], block_size=[1, 1, 1, None]
     ):
@@ -122,13 +155,14 @@ def _paged_attention(
             row_max = hl.load(sinks, [head]).to(torch.float32) * 1.4426950408889634
             row_sum = torch.where(row_max == float("-inf"), 0.0, 1.0)
         acc = hl.zeros([tile_p, head_dim], dtype=torch.float32)
-        for tile_n in hl.tile(kv_begin, kv_end):
+        unusual = hl.zeros([tile_p], dtype=torch.float32)  # NaN / infinite values met in V
+        for tile_n in hl.tile(kv_begin, kv_end, block_size=block_keys):
             keys = tile_n.index
-            column = torch.clamp(keys // page, 0, max_blocks - 1)
-            block = hl.load(block_table, [seq, column]).to(torch.int64)
-            slot = torch.clamp(block * page + keys % page, 0, num_slots - 1)
-            k_tile = hl.load(k_cache, [slot, kv_head, dims], extra_mask=dims_ok[None, :])
-            v_tile = hl.load(v_cache, [slot, kv_head, dims], extra_mask=dims_ok[None, :])
+            slot = _slots(keys, seq, block_table, page, max_blocks, num_slots)
+            # Slots past the sequence's keys (a block's unwritten tail) are never read.
+            key_ok = (keys < kv_end)[:, None] & dims_ok[None, :]
+            k_tile = hl.load(k_cache, [slot, kv_head, dims], extra_mask=key_ok)
+            v_tile = hl.load(v_cache, [slot, kv_head, dims], extra_mask=key_ok)
             logits = hl.dot(q_tile, k_tile.T, out_dtype=torch.float32)
             if has_softcap:
                 logits = softcap * torch.tanh(logits * (scale / softcap)) * 1.4426950408889634
@@ -143,8 +177,22 @@ def _paged_attention(
             probs = torch.exp2(logits - shift[:, None])
             rescale = torch.exp2(row_max - shift)
             row_sum = row_sum * rescale + torch.sum(probs, dim=1)
-            acc = acc * rescale[:, None] + hl.dot(probs.to(v_tile.dtype), v_tile, out_dtype=torch.float32)
+            # A key a row cannot see has probability 0, but 0 * NaN is NaN: the product takes the
+            # finite values, and non-finite ones reach the rows that see them after the loop.
+            finite = torch.abs(v_tile.to(torch.float32)) < float("inf")  # False for NaN and infinities
+            v_finite = torch.where(finite, v_tile, 0.0).to(v_tile.dtype)
+            acc = acc * rescale[:, None] + hl.dot(probs.to(v_tile.dtype), v_finite, out_dtype=torch.float32)
+            unusual = unusual + torch.sum(torch.sum(torch.where(finite, 0.0, 1.0), dim=1), dim=0)
             row_max = new_max
+        if torch.amax(unusual, dim=0) > 0.0:
+            # Rare: NaN or infinities among the values. A second pass adds them (sticky under the
+            # rescaling) to the rows that see them; apart from it, the hot loop stays as lean as before.
+            for tile_r in hl.tile(kv_begin, kv_end, block_size=block_keys):
+                again = tile_r.index
+                v_again = hl.load(v_cache, [_slots(again, seq, block_table, page, max_blocks, num_slots), kv_head, dims],
+                                  extra_mask=(again < kv_end)[:, None] & dims_ok[None, :])
+                seen = (again[None, :] <= position[:, None]) & (again[None, :] > position[:, None] - window)
+                acc = acc + _nonfinite_values(seen & row_ok[:, None], v_again)
 
         normaliser = torch.where(row_sum == 0.0, 1.0, row_sum)
         result = acc / normaliser[:, None]
@@ -308,5 +356,7 @@ def merge_config(num_splits: int, packed_rows: int) -> Config:
 
 
 PAGED_ATTENTION = KernelSpec(
-    "paged_attention", (_paged_attention, _merge_splits), default_paged_attention_config, paged_attention_candidates
+    "paged_attention", (_slots, _nonfinite_values, _paged_attention, _merge_splits),
+    default_paged_attention_config,
+    paged_attention_candidates,
 )

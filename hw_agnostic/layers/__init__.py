@@ -8,6 +8,8 @@ replacements.
 from .activation import GeluAndMul, SiluAndMul, SwigluOai, act_and_mul
 from .attention import PagedAttention, PagedBatch, PagedKVCache, attend
 from .base import CustomOp, LayerRegistryError, PluggableLayer, registered_layers, resolve, unregister_oot
+from .gated_rms_norm import GatedRMSNorm
+from .layer_norm import LayerNorm
 from .mlp import GatedMLP
 from .moe import MoE, MoEExperts, MoERouter, RoutingSpec
 from .norm import RMSNorm
@@ -16,7 +18,9 @@ from .qkv import QKVPart, QKVProjection
 __all__ = [
     "CustomOp",
     "GatedMLP",
+    "GatedRMSNorm",
     "GeluAndMul",
+    "LayerNorm",
     "LayerRegistryError",
     "MoE",
     "MoEExperts",

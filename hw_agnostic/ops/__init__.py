@@ -6,7 +6,9 @@ Each op is also a ``torch.library`` custom op, ``torch.ops.hw_agnostic.<name>``;
 
 from .activations import gelu_and_mul, silu_and_mul, swiglu_oai
 from .fused_experts import fused_experts
+from .gated_rms_norm import gated_rms_norm
 from .grouped_gemm import grouped_gemm
+from .layer_norm import fused_add_layer_norm, layer_norm
 from .moe_align import MoEAlignment, moe_align
 from .moe_route import moe_route
 from .paged_attention import paged_attention, validate_paged_attention_inputs
@@ -32,11 +34,14 @@ __all__ = [
     "Provider",
     "ProviderError",
     "all_ops",
+    "fused_add_layer_norm",
     "fused_add_rms_norm",
     "fused_experts",
+    "gated_rms_norm",
     "gelu_and_mul",
     "get_op",
     "grouped_gemm",
+    "layer_norm",
     "moe_align",
     "moe_route",
     "paged_attention",

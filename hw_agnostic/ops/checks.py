@@ -6,10 +6,12 @@ and also work on fake tensors while ``torch.compile`` traces.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..kernels.runtime import INT32_MAX
 
@@ -108,18 +110,19 @@ def kernel_dtype_problem(what: str, *dtypes: torch.dtype | None) -> str | None:
     return None
 
 
-def rows_collapse(x: torch.Tensor) -> bool:
-    """Whether ``x`` views as ``[rows, x.shape[-1]]`` with one row stride (``x.view(-1, n)``)."""
-    if x.dim() <= 2 or x.is_contiguous():
+def rows_collapse(x: torch.Tensor, kept: int = 1) -> bool:
+    """Whether ``x`` views as ``[rows, *x.shape[-kept:]]`` with one row stride (``x.view(-1, n)`` for
+    ``kept=1``, ``x.view(-1, heads, n)`` for ``kept=2``)."""
+    if x.dim() <= kept + 1 or x.is_contiguous():
         return True
     sizes, strides = x.shape, x.stride()
-    for i in range(x.dim() - 2):
+    for i in range(x.dim() - kept - 1):
         if sizes[i] != 1 and sizes[i + 1] != 1 and strides[i] != strides[i + 1] * sizes[i + 1]:
             return False
     # size-1 dims in the middle make the rule above skip a pair; let view decide those.
-    if 1 in sizes[:-1] and x.dim() > 2:
+    if 1 in sizes[:-kept]:
         try:
-            x.view(-1, sizes[-1])
+            x.view(-1, *sizes[-kept:])
         except RuntimeError:
             return False
     return True
@@ -143,3 +146,124 @@ def needs_int64(*tensors: torch.Tensor | None) -> bool:
         if span > INT32_MAX:
             return True
     return False
+
+
+# --------------------------------------------------------------------------------------------
+# memory overlap of arguments an op writes
+#
+# These run on every call of an op that writes an argument, so they cost a few dict lookups when
+# the tensors are apart (the usual case): layouts are analysed once per (shape, strides).
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, int, tuple[tuple[int, int], ...] | None]:
+    """Element offsets ``[low, high]`` a layout spans, and its dims ``(stride, size)`` by stride,
+    largest first, when no two elements share an offset (None when they may)."""
+    low = high = 0
+    for size, stride in zip(shape, strides):
+        if stride >= 0:
+            high += (size - 1) * stride
+        else:
+            low += (size - 1) * stride
+    dims = sorted(((abs(st), sz) for sz, st in zip(shape, strides) if sz > 1), reverse=True)
+    reach = 0  # the largest offset the smaller dims reach
+    for stride, size in reversed(dims):
+        if stride <= reach:
+            return low, high, None
+        reach += (size - 1) * stride
+    return low, high, tuple(dims)
+
+
+def _address_range(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes ``[start, end)`` that ``t``'s elements span, or None (empty, or no real memory)."""
+    if type(t) is not torch.Tensor and isinstance(t, FakeTensor):  # tracing: no memory to compare
+        return None
+    try:
+        start = t.data_ptr()  # functional tensors raise, meta tensors give 0
+    except RuntimeError:
+        return None
+    numel = t.numel()
+    if start == 0 or numel == 0:
+        return None
+    size = t.element_size()
+    if t.is_contiguous():
+        return start, start + numel * size
+    low, high, _ = _layout(tuple(t.shape), t.stride())
+    return start + low * size, start + (high + 1) * size
+
+
+def _difference_reachable(difference: int, dims: tuple[tuple[int, int], ...]) -> bool:
+    """Whether ``difference = sum(t_k * stride_k)`` with ``|t_k| < size_k``: two tensors of this
+    layout ``difference`` elements apart share an element. Strides are nested (each larger than
+    what the smaller dims reach), so each dim leaves at most two candidates."""
+    if not dims:
+        return difference == 0
+    (stride, size), rest = dims[0], dims[1:]
+    reach = sum((n - 1) * st for st, n in rest)
+    lowest = max(-(size - 1), -((reach - difference) // stride))  # ceil((difference - reach) / stride)
+    highest = min(size - 1, (difference + reach) // stride)
+    return any(_difference_reachable(difference - t * stride, rest) for t in range(lowest, highest + 1))
+
+
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share memory.
+
+    Compares addresses, not storages, so two storages over one buffer (``torch.frombuffer``
+    twice, an untyped-storage view, ``as_strided`` over another tensor's memory) are caught too.
+    Where the address ranges meet, two tensors of one dtype and layout (``buf[..., ::2]`` and
+    ``buf[..., 1::2]``; the K and V halves of one ``[blocks, 2, ...]`` cache) are compared
+    element by element, exactly; other layouts whose ranges meet count as overlapping.
+    """
+    return _ranges_overlap(a, _address_range(a), b, _address_range(b))
+
+
+def _ranges_overlap(a: torch.Tensor, span_a: tuple[int, int] | None, b: torch.Tensor,
+                    span_b: tuple[int, int] | None) -> bool:
+    if span_a is None or span_b is None or not (span_a[0] < span_b[1] and span_b[0] < span_a[1]):
+        return False
+    if a.device != b.device:
+        return False
+    if a.dtype != b.dtype or a.shape != b.shape or a.stride() != b.stride():
+        return True
+    dims = _layout(tuple(a.shape), a.stride())[2]
+    gap, size = b.data_ptr() - a.data_ptr(), a.element_size()
+    if dims is None or gap % size:
+        return True
+    return _difference_reachable(gap // size, dims)
+
+
+def no_aliasing(op: str, written: tuple[tuple[str, torch.Tensor], ...],
+                read: tuple[tuple[str, torch.Tensor | None], ...] = (), *, among_written: bool = True) -> None:
+    """Raise ``ValueError`` naming the arguments if a tensor ``op`` writes has elements that share
+    memory, or shares memory with another argument it writes (unless ``among_written=False``: the
+    op writes them at data-dependent places) or reads (None: absent)."""
+    for name, value in written:
+        writable(op, name, value)
+    spans = [(name, value, _address_range(value)) for name, value in (*written, *read) if value is not None]
+    for i, (name, value, span) in enumerate(spans[: len(written)]):
+        for other_name, other, other_span in spans[(i + 1 if among_written else len(written)):]:
+            if _ranges_overlap(value, span, other, other_span):
+                raise ValueError(
+                    f"{op}: {name} and {other_name} share memory; {name} is written while {other_name} is in "
+                    "use, so each needs its own memory"
+                )
+
+
+def self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share an address (a stride 0, or strides that interleave).
+
+    Conservative: a layout it cannot prove free of collisions counts as overlapping.
+    """
+    if t.is_contiguous():
+        return False
+    return _layout(tuple(t.shape), t.stride())[2] is None
+
+
+def writable(op: str, name: str, value: torch.Tensor) -> None:
+    """Raise ``ValueError`` if ``value``, which ``op`` writes, has elements that alias each other."""
+    if self_overlapping(value):
+        raise ValueError(
+            f"{op}: {name} has elements that share memory (shape {tuple(value.shape)}, strides "
+            f"{tuple(value.stride())}: a stride of 0 or interleaving strides), so results written to it would "
+            f"collide; pass a tensor whose elements each have their own memory (e.g. {name}.contiguous())"
+        )

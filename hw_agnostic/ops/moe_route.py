@@ -47,16 +47,16 @@ def moe_route_reference(
         scores = torch.sigmoid(logits)
     else:
         scores = logits
-    choice = scores if correction_bias is None else scores + correction_bias.to(compute)
+    choice = _nan_as_inf(scores if correction_bias is None else scores + correction_bias.to(compute))
     num_experts = logits.shape[-1]
     if n_group > 1:
         per_group = num_experts // n_group
         grouped = choice.view(-1, n_group, per_group)
-        group_scores = grouped.topk(min(2, per_group), dim=-1)[0].sum(dim=-1)
-        best_groups = group_scores.topk(topk_group, dim=-1)[1]
+        group_scores = _nan_as_inf(grouped.topk(min(2, per_group), dim=-1)[0].sum(dim=-1))
+        best_groups = _top(group_scores, topk_group)
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
         choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
-    ids = choice.topk(top_k, dim=-1)[1]
+    ids = _top(choice, top_k)
     weights = scores.gather(1, ids)
     if scoring == "topk_then_softmax":
         weights = torch.softmax(weights, dim=-1)
@@ -66,19 +66,30 @@ def moe_route_reference(
     return weights * routed_scaling_factor, ids
 
 
+def _nan_as_inf(values: Tensor) -> Tensor:
+    """A NaN score ranks above every number, as ``torch.topk`` ranks it (it still weighs NaN)."""
+    return torch.where(torch.isnan(values), float("inf"), values)
+
+
+def _top(values: Tensor, k: int) -> Tensor:
+    """The indices of the ``k`` largest values per row; between equal values the lower index first."""
+    return torch.sort(values, dim=-1, descending=True, stable=True)[1][..., :k].contiguous()
+
+
 def _moe_route_lean(
     router_logits: Tensor, correction_bias: Optional[Tensor], top_k: int, scoring: str, renormalize: bool,
     n_group: int, topk_group: int, routed_scaling_factor: float,
 ) -> tuple[Tensor, Tensor]:
     """What the reference provider runs for softmax routing: the reference without the steps that change
-    nothing (the scores of the chosen ids are topk's values; a factor of 1 scales nothing), the upcast
-    fused into the softmax and the renormalisation in place: the same results (the tests check),
-    three fewer kernels and allocations per call."""
+    nothing (a factor of 1 scales nothing), the upcast fused into the softmax and the renormalisation
+    in place: the same results (the tests check), fewer kernels and allocations per call."""
     if scoring != "softmax" or correction_bias is not None or n_group > 1:
         return moe_route_reference(router_logits, correction_bias, top_k, scoring, renormalize, n_group,
                                    topk_group, routed_scaling_factor)
     compute = torch.promote_types(router_logits.dtype, torch.float32)
-    weights, ids = torch.softmax(router_logits, dim=-1, dtype=compute).topk(top_k, dim=-1)  # upcast fused
+    scores = torch.softmax(router_logits, dim=-1, dtype=compute)  # upcast fused
+    ids = _top(_nan_as_inf(scores), top_k)
+    weights = scores.gather(1, ids)
     if renormalize:
         weights = weights.div_(weights.sum(dim=-1, keepdim=True))
     return (weights if routed_scaling_factor == 1.0 else weights.mul_(routed_scaling_factor)), ids
@@ -247,10 +258,12 @@ def moe_route(
         routed_scaling_factor: multiplies the final weights.
 
     Returns:
-        ``(weights [T, top_k] fp32, ids [T, top_k] int64)``, best expert first. Between equal
-        scores the kernels pick the lower expert index; the reference follows ``torch.topk``,
-        which leaves that choice unspecified (as the Hugging Face routers do). Cast the weights
-        as the model does (Qwen casts them to the model dtype, Mixtral and DeepSeek-V3 keep fp32).
+        ``(weights [T, top_k] fp32, ids [T, top_k] int64)``, best expert first: ``top_k``
+        distinct experts in ``[0, E)`` whatever the logits hold. Between equal scores the lower
+        expert index goes first (``torch.topk``, which the Hugging Face routers call, leaves that
+        order unspecified); a NaN score ranks above every number, as ``torch.topk`` ranks it, and
+        its weight is NaN. Cast the weights as the model does (Qwen casts them to the model
+        dtype, Mixtral and DeepSeek-V3 keep fp32).
     """
     return moe_route_op(router_logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group,
                         routed_scaling_factor)

@@ -15,6 +15,11 @@ logit in head ``h``'s softmax denominator with no value. Softmax and accumulatio
 (fp64 for fp64 inputs); the output has ``q``'s dtype. Rows no sequence owns, and queries that see
 no key (``q_len > kv_len``), are 0.
 
+NaN and infinities: a NaN query, or a NaN among the keys a query sees, makes its output NaN (as
+Hugging Face's attention does); a non-finite value among the values it sees makes that dim of its
+output NaN or that infinity. Keys a query cannot see (the causal future, outside its window, a
+block's unwritten tail, other sequences' blocks) never contribute, whatever they hold.
+
 What is checked where
 =====================
 
@@ -148,9 +153,9 @@ def paged_attention_reference(
                 probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
             else:
                 probs = torch.softmax(logits, dim=-1)
-            probs = torch.nan_to_num(probs, nan=0.0)  # a query that sees no key outputs 0
-            attended = torch.einsum("kgqn,nkd->qkgd", probs, values)
-            out[chunk:stop] = attended.reshape(stop - chunk, num_q_heads, head_dim)
+                # A query that sees no key outputs 0 (its softmax is 0/0); a NaN query still gives NaN.
+                probs = torch.where(visible.any(-1)[:, None], probs, 0.0)
+            out[chunk:stop] = _attend(probs, values, visible).reshape(stop - chunk, num_q_heads, head_dim)
     return out.to(q.dtype)
 
 
@@ -203,6 +208,11 @@ class _ReferenceAttention:
                 blocks = block_table[index, : -(-kv_len // block_size)]
                 out[rows] = self._attend(q[rows][:, None], k_cache, v_cache, blocks, kv_len, scale,
                                          sliding_window)[:, 0]
+        if not bool(torch.isfinite(out).all()):
+            # NaN or infinities met in the pages or the queries: SDPA lets a key a row cannot see
+            # poison it (0 * NaN), the reference does not. Non-finite inputs that change nothing
+            # here (a key at -inf) leave the output finite.
+            return self.reference(*args)
         return out
 
     @staticmethod
@@ -233,6 +243,29 @@ class _ReferenceAttention:
             queries.to(compute).transpose(1, 2), pages(k_cache), pages(v_cache), attn_mask=mask, is_causal=causal,
             scale=scale, enable_gqa=True)
         return attended.transpose(1, 2).to(queries.dtype)
+
+
+def _attend(probs: Tensor, values: Tensor, visible: Tensor) -> Tensor:
+    """``probs [Hkv, G, rows, n] @ values [n, Hkv, D]`` with only the keys each row sees contributing.
+
+    A key a row cannot see has probability 0, but ``0 * NaN`` is NaN: the product takes the finite
+    values, and a NaN (or both infinities) / an infinity among the values a row sees makes that
+    row's output NaN / that infinity in that dim.
+    """
+    finite = torch.isfinite(values)
+    attended = torch.einsum("kgqn,nkd->qkgd", probs, torch.where(finite, values, 0.0))
+    if bool(finite.all()):
+        return attended
+    seen = visible.to(values.dtype)
+
+    def seen_where(condition: Tensor) -> Tensor:  # [rows, Hkv, 1, D]: a seen key's value meets condition
+        return (torch.einsum("qn,nkd->qkd", seen, condition.to(values.dtype)) > 0)[:, :, None, :]
+
+    nans, positives, negatives = (seen_where(c) for c in (torch.isnan(values), values == float("inf"),
+                                                            values == float("-inf")))
+    poisoned = nans | (positives & negatives) | torch.isnan(attended)  # a NaN query stays NaN
+    return torch.where(poisoned, float("nan"), torch.where(positives, float("inf"),
+                       torch.where(negatives, float("-inf"), attended)))
 
 
 def _paged_attention_shape(

@@ -22,11 +22,11 @@ normalised output and ``residual`` holds ``x + residual``; both are returned. It
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor
 
 from ..autotune.keys import token_bucket
 from ..kernels import rms_norm as kernels
@@ -79,24 +79,23 @@ def _normalise_into(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: 
     x.copy_(_normalise(residual, weight, eps, numerics))
 
 
-class _CompiledInplace:
-    """The residual added in place, then the norm compiled (lean path).
+class CompiledAddThenNormalise:
+    """An in-place fused norm's reference as the reference provider runs it when compiling.
 
-    The in-place reference as the reference provider runs it when compiling. Inductor (torch
-    2.13) fails on a reduction over an input the same graph mutates (``KeyError: 'buf1'``), so
-    the residual is added in place eagerly and only the norm, which reads ``residual`` and
-    writes ``x``, is compiled. Same result as the reference: ``residual + x`` rounds the same in
-    place. (Splitting large calls into cache-sized row blocks was measured slower on the shared
-    2-core machine: every block adds two OpenMP regions, and a region waits for a scheduler
-    quantum whenever the other core is busy.)
+    Inductor (torch 2.13) fails on a reduction over an input the same graph mutates (``KeyError:
+    'buf1'``), so the residual is added in place eagerly and only ``normalise_into(x, residual,
+    *rest)``, which reads ``residual`` and writes ``x``, is compiled. Same result as the
+    reference: ``residual + x`` rounds the same in place. (Splitting large calls into cache-sized
+    row blocks was measured slower on the shared 2-core machine: every block adds two OpenMP
+    regions, and a region waits for a scheduler quantum whenever the other core is busy.)
     """
 
-    def __init__(self, op_name: str, reference: object) -> None:
-        self.normalise_into = CompiledReference(op_name, _normalise_into, lean=True)
+    def __init__(self, op_name: str, normalise_into: Callable[..., None], *, lean: bool = False) -> None:
+        self.normalise_into = CompiledReference(op_name, normalise_into, lean=lean)
 
-    def __call__(self, x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> None:
+    def __call__(self, x: Tensor, residual: Tensor, *rest: object) -> None:
         residual.add_(x)
-        self.normalise_into(x, residual, weight, eps, numerics)
+        self.normalise_into(x, residual, *rest)
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,8 +164,13 @@ def check_fused_add_rms_norm_inplace(
             f"{weight.dtype if weight is not None else None} in numerics {numerics!r}) differs from x's, "
             "so it cannot be written into x; pass inplace=False"
         )
-    if _overlap(x, residual):
-        raise ValueError(f"{op}: x and residual share memory; the in-place form needs two separate buffers")
+    check_inplace_buffers(op, x, residual, weight)
+
+
+def check_inplace_buffers(op: str, x: Tensor, residual: Tensor, *read: Optional[Tensor]) -> None:
+    """The in-place fused norms write ``x`` and ``residual``: each must own its memory, and
+    neither may share memory with the other or with a parameter the op reads."""
+    checks.no_aliasing(op, (("x", x), ("residual", residual)), tuple(zip(("weight", "bias"), read)))
 
 
 def rms_norm_key(x: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> NormKey:
@@ -187,24 +191,6 @@ def _key(x: Tensor, weight: Optional[Tensor], numerics: str, *more: Tensor) -> N
         checks.rows_collapse(x) and all(checks.rows_collapse(t) for t in more),
         checks.needs_int64(x, *more),
     )
-
-
-def _overlap(a: Tensor, b: Tensor) -> bool:
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    if isinstance(a, FakeTensor) or isinstance(b, FakeTensor) or a.device.type == "meta":
-        return False  # tracing, or meta tensors: there are no buffers to compare
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    size = a.element_size()
-
-    def extent(t: Tensor) -> tuple[int, int]:
-        start = t.storage_offset()
-        span = sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
-        return start * size, (start + span + 1) * size
-
-    (a0, a1), (b0, b1) = extent(a), extent(b)
-    return a0 < b1 and b0 < a1
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,7 +303,8 @@ fused_add_rms_norm_inplace_op = Op(
     "fused_add_rms_norm_", fused_add_rms_norm_inplace_reference, check=check_fused_add_rms_norm_inplace,
     key=fused_add_rms_norm_key,
     providers=[_helion(lambda k, c, a: _build_fused(k, c, a, inplace=True), kernels.FUSED_ADD_RMS_NORM)],
-    mutates_args=("x", "residual"), example_inputs=_example_fused, compiled_reference=_CompiledInplace,
+    mutates_args=("x", "residual"), example_inputs=_example_fused,
+    compiled_reference=lambda name, reference: CompiledAddThenNormalise(name, _normalise_into, lean=True),
 )
 
 

@@ -65,6 +65,34 @@ def validate_slot_mapping(op: str, slot_mapping: Tensor, num_slots: int) -> None
         raise ValueError(f"{op}: slot_mapping writes one slot twice; every token needs its own slot")
 
 
+def validate_written_rows(op: str, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Raise ``ValueError`` if a key row and a value row this call writes share memory (caches that
+    are views of one buffer: the metadata must keep K and V apart)."""
+    if not checks.overlap(k_cache, v_cache):
+        return
+    slots = slot_mapping[slot_mapping >= 0].long()
+    if slots.numel() == 0:
+        return
+
+    def row_starts(cache: Tensor) -> Tensor:  # byte address of each written slot's [heads, dim] row
+        block, offset = slots // cache.shape[1], slots % cache.shape[1]
+        elements = block * cache.stride(0) + offset * cache.stride(1)
+        return cache.data_ptr() + elements * cache.element_size()
+
+    size = k_cache.element_size()
+    span = ((k_cache.shape[2] - 1) * abs(k_cache.stride(2)) + (k_cache.shape[3] - 1) * abs(k_cache.stride(3)) + 1) * size
+    keys, values = torch.sort(row_starts(k_cache))[0], row_starts(v_cache)
+    at = torch.searchsorted(keys, values).clamp(max=keys.numel() - 1)
+    before = (at - 1).clamp(min=0)
+    clash = ((keys[at] - values).abs() < span) | ((keys[before] - values).abs() < span)
+    if bool(clash.any()):
+        slot = int(slots[int(clash.nonzero()[0])])
+        raise ValueError(
+            f"{op}: k_cache and v_cache are views of one buffer and slot {slot}'s value row shares memory with "
+            "a key row this call writes; the slots (block table) must keep keys and values apart"
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # the spec
 
@@ -73,6 +101,7 @@ def write_kv_cache_reference(
     key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
 ) -> None:
     validate_slot_mapping("write_kv_cache", slot_mapping, k_cache.shape[0] * k_cache.shape[1])
+    validate_written_rows("write_kv_cache", k_cache, v_cache, slot_mapping)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = k_cache.shape[1]
@@ -152,6 +181,11 @@ def check_write_kv_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: T
         raise ValueError(
             f"{op}: slot_mapping must have one slot per token ({key.shape[0]}); got {slot_mapping.shape[0]}"
         )
+    # The two caches may be views of one buffer (transformers' continuous-batching cache interleaves
+    # K and V pages, and its block table keeps them apart): the slots written are checked on the
+    # reference path (validate_written_rows), the caches against everything the op reads here.
+    checks.no_aliasing(op, (("k_cache", k_cache), ("v_cache", v_cache)),
+                       (("key", key), ("value", value), ("slot_mapping", slot_mapping)), among_written=False)
 
 
 # --------------------------------------------------------------------------------------------

@@ -96,8 +96,8 @@ def test_duplicate_and_mismatched_registrations_fail_loudly():
         RMSNorm.register_oot(type("Stranger", (CustomOp,), {}))
     with pytest.raises(LayerRegistryError, match="must be a subclass of GatedMLP"):
         PluggableLayer.register_oot(type("Wrong", (RMSNorm,), {}), name="gated_mlp")
-    with pytest.raises(LayerRegistryError, match="no layer is registered as 'layer_norm'"):
-        RMSNorm.register_oot(type("X", (RMSNorm,), {}), name="layer_norm")
+    with pytest.raises(LayerRegistryError, match="no layer is registered as 'group_norm'"):
+        RMSNorm.register_oot(type("X", (RMSNorm,), {}), name="group_norm")
     with pytest.raises(LayerRegistryError, match="no layer is registered as 'nope'"):
         resolve("nope")
 

@@ -1,0 +1,56 @@
+"""The compiled reference, the CPU's default path, rounds where the Hugging Face modules round.
+
+Inductor fuses a reference into one kernel and, unless told otherwise, keeps the intermediates of
+that kernel in fp32, dropping the roundings to bf16/fp16 the eager modules make (llama-style
+norms round the normalised value before the weight): a quarter of the elements would come out one
+step off. The registry compiles references with ``emulate_precision_casts``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from hw_agnostic import ops
+from hw_agnostic.ops import registry
+from tests.harness import seeded_generator
+from tests.ops import hf_norms
+
+ENTRIES = [e for e in hf_norms.GATED_NORMS + hf_norms.LAYER_NORMS
+           if e.id in ("MambaRMSNormGated", "Qwen3NextRMSNormGated", "ChameleonLayerNorm-qk")]
+
+
+@pytest.fixture
+def compiled_reference(monkeypatch):
+    monkeypatch.setenv(registry.COMPILE_ENV, "1")
+    ops.reset()
+    yield
+    ops.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ENTRIES, ids=repr)
+def test_compiled_reference_rounds_like_the_module(entry, compiled_reference):
+    g = seeded_generator(f"compiled-{entry.id}")
+    module = hf_norms.build(entry, 60, g).to(torch.bfloat16)
+    x, gate = hf_norms.inputs(entry, 60, torch.bfloat16, "cpu", g)
+    want = hf_norms.run_module(entry, module, x, gate)
+    with torch.no_grad(), ops.trace_dispatch() as ran:
+        got = entry.ours(module, x, gate)
+    assert isinstance(ran[0].run, registry.CompiledReference) and ran[0].run.compiled is not None
+    hf_norms.assert_same_rounding(got, want, share=0.0)
+
+
+@pytest.mark.slow
+def test_compiled_rms_norm_rounds_like_llama(compiled_reference):
+    g = seeded_generator("compiled-llama")
+    module = LlamaRMSNorm(64)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(64, generator=g) * 1.5)
+    module = module.to(torch.bfloat16)
+    x = (torch.randn(8, 64, generator=g) * 3).to(torch.bfloat16)
+    with torch.no_grad():
+        want = module(x)
+        got = ops.rms_norm(x, module.weight, module.variance_epsilon)
+    hf_norms.assert_same_rounding(got, want, share=0.0)
