@@ -157,7 +157,7 @@ def test_concurrent_writers_keep_every_entry(tmp_path):
 
 
 @pytest.mark.dsl
-@pytest.mark.skipif(interpreter_mode() != "triton", reason="the CPU dry run needs the Triton interpreter")
+@pytest.mark.skipif(interpreter_mode() != "triton", reason="needs TRITON_INTERPRET=1 (the CPU dry run tunes under the Triton interpreter)")
 def test_the_cpu_dry_run_prints_what_it_wrote_and_leaves_global_logging_alone(tmp_path, capsys):
     import logging
 

@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from ..layers import resolve
-from .detect import MLPSpec, NormSpec, detect_gated_mlp, detect_rms_norm
+from .detect import MLPSpec, detect_gated_mlp
+from .detect_norms import NormSpec, detect_rms_norm
 from .report import RewireReport
 from .changes import Change
 from .rewire import rewire

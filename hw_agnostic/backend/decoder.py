@@ -1,12 +1,13 @@
 """Fused forwards for decoder layers whose residual layout was detected.
 
 Pre-norm (Llama, Mistral, Qwen, Phi-3, Gemma):  ``h + mlp(post_norm(h + attn(input_norm(h))))``
-runs the residual add and ``post_norm`` as one ``fused_add_rms_norm``. Sandwich-norm (Gemma 2/3)
+runs the residual add and ``post_norm`` as one ``fused_add_rms_norm`` (``fused_add_layer_norm``
+for layer norms). Sandwich-norm (Gemma 2/3)
 fuses the add after ``post_attention_norm`` with ``pre_mlp_norm``. Post-norm (OLMo-2) has no
 norm after its residual adds, so there is nothing to fuse. Attention is called with exactly the
 keywords the layer's own forward passes it (checked when the layout was detected), and the
 original forward still runs in training mode, where the layer's dropouts matter. A norm that is
-not (or no longer) the library's ``RMSNorm`` is called unfused, so verification may undo norms and
+not (or no longer) the library's ``RMSNorm`` or ``LayerNorm`` is called unfused, so verification may undo norms and
 fused layers independently.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..layers import RMSNorm
+from ..layers import LayerNorm, RMSNorm
 from .detect import DecoderLayout
 
 FUSABLE = ("pre_norm", "sandwich")
@@ -25,7 +26,7 @@ FUSABLE = ("pre_norm", "sandwich")
 
 def add_and_norm(norm: nn.Module, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
     """``(norm(residual + x), residual + x)``, in one pass when ``norm`` is ours."""
-    if isinstance(norm, RMSNorm):
+    if isinstance(norm, (RMSNorm, LayerNorm)):
         return norm(x, residual)
     summed = residual + x
     return norm(summed), summed

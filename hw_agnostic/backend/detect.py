@@ -1,9 +1,6 @@
 """Structure detection: what a module computes, never what its class is called.
 
-* :func:`detect_rms_norm`: traces the module's forward (``make_fx`` on fake tensors) to find
-  ``rsqrt(mean(x²) + eps)`` over the last dimension and read ``eps``, then runs it against the
-  ``rms_norm`` reference of each numerics with random weights on small CPU tensors to find which
-  casts it makes. Works on modules whose parameters live on meta, CPU or GPU.
+* Norms (RMS, layer, gated RMS): see :mod:`.detect_norms`.
 * :func:`detect_gated_mlp`: traces the module's own forward (``torch.fx``, children as leaves)
   and matches ``down(act(gate(x)) * up(x))``, or ``gate, up = gate_up(x).chunk(2)``; the
   activation is identified by evaluating it.
@@ -31,153 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from ..ops.rms_norm import NUMERICS, rms_norm_reference
-
-
-@dataclasses.dataclass(frozen=True)
-class NotDetected:
-    reason: str
-
-
-# --------------------------------------------------------------------------------------------
-# RMSNorm
-
-
-@dataclasses.dataclass(frozen=True)
-class NormSpec:
-    hidden_size: int
-    eps: float
-    numerics: str
-    weight_name: str | None  # None: a norm without a scale
-    eps_attribute: str | None  # the instance attribute holding eps, if one does
-
-
-def looks_like_norm(module: nn.Module) -> bool:
-    """Worth reporting when not an RMSNorm: a leaf whose parameters are all 1-D (a norm's scale/bias)."""
-    params = list(module.parameters(recurse=False))
-    return not list(module.children()) and bool(params) and all(p.dim() == 1 for p in params)
-
-
-def detect_rms_norm(module: nn.Module) -> NormSpec | NotDetected | None:
-    """``None`` for modules that are no candidates at all (children, matrices, buffers beside weights)."""
-    params = dict(module.named_parameters(recurse=False))
-    buffers = list(module.buffers(recurse=False))
-    if list(module.children()) or (buffers and (params or any(b.dim() != 1 for b in buffers))):
-        return None  # a weightless norm may keep a dummy 1-D buffer (Falcon-Mamba's); it is checked by value
-    if len(params) > 1 or any(p.dim() != 1 for p in params.values()):
-        if looks_like_norm(module):
-            return NotDetected(f"has parameters {sorted(params)}: not an RMS norm (a LayerNorm has a bias)")
-        return None
-    weight_name = next(iter(params), None)
-    extra = _extra_inputs(module)
-    if extra:
-        reason = f"its forward takes more than the input ({', '.join(extra)}): not a plain RMS norm"
-        return NotDetected(reason) if weight_name else None
-    if "eps" in vars(module) and module.eps is None:  # torch's nn.RMSNorm(eps=None): finfo(x.dtype).eps
-        return NotDetected("its eps is None: it depends on the input dtype")
-    hidden = params[weight_name].shape[0] if weight_name else 16
-    eps = _traced_eps(module, weight_name, hidden)
-    if isinstance(eps, NotDetected):
-        return eps if weight_name else None
-    numerics = _matching_numerics(module, weight_name, hidden, eps)
-    if isinstance(numerics, NotDetected):
-        return numerics
-    # The attribute holding eps; a trace may show it rounded to fp32 (torch's own decomposition does).
-    eps_attribute = next((name for name, value in vars(module).items()
-                          if isinstance(value, float) and (value == eps or _as_fp32(value) == eps)), None)
-    if eps_attribute is not None:
-        eps = float(getattr(module, eps_attribute))
-    return NormSpec(hidden, eps, numerics, weight_name, eps_attribute)
-
-
-def _as_fp32(value: float) -> float:
-    return float(torch.tensor(value, dtype=torch.float32))
-
-
-def _extra_inputs(module: nn.Module) -> list[str]:
-    """The forward's parameters after the input (a gated norm's ``gate``): a one-input probe would miss them."""
-    try:
-        params = list(inspect.signature(type(module).forward).parameters.values())[2:]
-    except (TypeError, ValueError):
-        return []
-    return [p.name for p in params if p.kind is not p.VAR_KEYWORD]
-
-
-def _call_with(module: nn.Module, weight_name: str | None, x: Tensor, weight: Tensor | None) -> Any:
-    values = {weight_name: weight} if weight_name else {}
-    return torch.func.functional_call(module, values, (x,))
-
-
-def _traced_eps(module: nn.Module, weight_name: str | None, hidden: int) -> float | NotDetected:
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    def run(x: Tensor, weight: Tensor) -> Any:
-        return _call_with(module, weight_name, x, weight if weight_name else None)
-
-    try:
-        graph = make_fx(run, tracing_mode="fake")(torch.empty(2, 3, hidden), torch.empty(hidden)).graph
-    except Exception as err:
-        return NotDetected(f"forward cannot be traced on fake tensors ({type(err).__name__}: {err})")
-    aten = torch.ops.aten
-    fused = {getattr(aten, name).default for name in ("rms_norm", "_fused_rms_norm") if hasattr(aten, name)}
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target in fused:  # torch's own F.rms_norm: (input, shape, weight, eps)
-            eps = node.args[3] if len(node.args) > 3 else node.kwargs.get("eps")
-            if not isinstance(eps, (int, float)):
-                return NotDetected("torch's rms_norm with eps=None: its eps depends on the input dtype")
-            return float(eps)
-        if _is_inverse_sqrt(node):
-            added = node.args[0]
-            if not (isinstance(added, fx.Node) and added.target in (aten.add.Tensor, aten.add.Scalar, aten.add_.Scalar)):
-                continue
-            scalars = [a for a in added.args if isinstance(a, (int, float))]
-            tensors = [a for a in added.args if isinstance(a, fx.Node)]
-            if len(scalars) == 1 and len(tensors) == 1 and tensors[0].target is aten.mean.dim:
-                dims = tensors[0].args[1]
-                if list(dims) in ([-1], [2]):
-                    return float(scalars[0])
-    return NotDetected("computes no rsqrt(mean(x**2, -1) + eps)")
-
-
-def _is_inverse_sqrt(node: fx.Node) -> bool:
-    """``rsqrt(t)``, ``pow(t, -0.5)`` or ``sqrt(t)`` (divided by later, ``x / sqrt(...)``)."""
-    aten = torch.ops.aten
-    if node.target in (aten.rsqrt.default, aten.sqrt.default):
-        return True
-    return node.target is aten.pow.Tensor_Scalar and len(node.args) == 2 and node.args[1] == -0.5
-
-
-def _matching_numerics(module: nn.Module, weight_name: str | None, hidden: int, eps: float) -> str | NotDetected:
-    g = torch.Generator().manual_seed(hidden)
-    weight32 = torch.randn(hidden, generator=g) if weight_name else None
-    probes = [torch.randn(3, hidden, generator=g) * 3, torch.randn(3, hidden, generator=g) * math.sqrt(eps) * 0.5]
-    low = (torch.randn(3, hidden, generator=g) * 2).to(torch.bfloat16)
-    weight_low = weight32.to(torch.bfloat16) if weight32 is not None else None
-    errors: dict[str, float] = {}
-    with torch.no_grad():
-        try:
-            theirs = [_call_with(module, weight_name, x, weight32) for x in probes]
-            theirs_low = _call_with(module, weight_name, low, weight_low)
-        except Exception as err:
-            return NotDetected(f"forward failed on a probe ({type(err).__name__}: {err})")
-        for numerics in NUMERICS if weight_name else ("llama",):
-            ours = [rms_norm_reference(x, weight32, eps, numerics) for x in probes]
-            if any(not isinstance(t, Tensor) or t.shape != o.shape or t.dtype != o.dtype for t, o in zip(theirs, ours)):
-                continue
-            if not all(torch.allclose(t, o, rtol=1e-6, atol=0) for t, o in zip(theirs, ours)):
-                continue
-            ours_low = rms_norm_reference(low, weight_low, eps, numerics)
-            if theirs_low.dtype != ours_low.dtype:
-                continue
-            errors[numerics] = (theirs_low.double() - ours_low.double()).abs().max().item()
-    if not errors:
-        return NotDetected("computes something other than an RMS norm with llama, fp32_scale or gemma numerics")
-    best = min(errors, key=errors.get)
-    if errors[best] != 0.0:
-        return NotDetected(f"closest to {best!r} numerics but bf16 results differ by up to {errors[best]:.3g}")
-    return best
+from .detect_norms import NotDetected
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,16 +108,16 @@ def detect_gated_mlp(module: nn.Module) -> MLPSpec | NotDetected | None:
         if looks_like_mlp(module):
             return NotDetected("its projections are not nn.Linear (e.g. GPT-2's Conv1D): not served")
         return None
-    if any(list(c.parameters()) for c in module.children() if not isinstance(c, nn.Linear)):
-        return None
+    others = [name for name, c in module.named_children() if not isinstance(c, nn.Linear) and list(c.parameters())]
+    besides = NotDetected(f"children other than linears hold parameters ({', '.join(others)})")
     try:
         graph = _ChildrenAsLeaves().trace(module)
     except Exception as err:
-        return NotDetected(f"forward cannot be traced ({type(err).__name__}: {err})")
+        return besides if others else NotDetected(f"forward cannot be traced ({type(err).__name__}: {err})")
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in graph.nodes if n.op == "output")
     if len(inputs) != 1 or not isinstance(output.args[0], fx.Node):
-        return NotDetected("takes or returns more than one tensor")
+        return besides if others else NotDetected("takes or returns more than one tensor")
     x = inputs[0]
     result, dropout = _peel_dropout(module, output.args[0])
     if isinstance(dropout, NotDetected):
@@ -279,6 +130,9 @@ def detect_gated_mlp(module: nn.Module) -> MLPSpec | NotDetected | None:
     factors = _mul_operands(product)
     if factors is None:
         return NotDetected("the down projection's input is not a product (no gate): a plain MLP")
+    if others:
+        return NotDetected(f"a gated MLP with parameterised modules beside its projections ({', '.join(others)}): "
+                           "not served")
     for act_node, up_node in (factors, factors[::-1]):
         act = _activation_of(module, act_node)
         if act is None:

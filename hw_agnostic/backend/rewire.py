@@ -6,14 +6,15 @@ out-of-tree plugin's class is what ends up in the model), and returns it as an a
 :class:`~hw_agnostic.backend.changes.Change`; what a rule cannot serve goes to the report with the
 reason:
 
-1. ``norms_and_mlps``: RMS norms become :class:`~hw_agnostic.layers.RMSNorm` (sharing the weight),
-   gated MLPs ``down(act(gate(x)) * up(x))`` a :class:`~hw_agnostic.layers.GatedMLP` with one
+1. ``norms_and_mlps``: RMS norms become :class:`~hw_agnostic.layers.RMSNorm`, layer norms
+   :class:`~hw_agnostic.layers.LayerNorm`, gated RMS norms :class:`~hw_agnostic.layers.GatedRMSNorm`
+   (each sharing the module's parameters), gated MLPs ``down(act(gate(x)) * up(x))`` a :class:`~hw_agnostic.layers.GatedMLP` with one
    merged gate/up weight.
 2. ``qkv``: three sibling linears that read the same tensor get one merged projection.
 3. ``attention``: self-attention modules become paged-attention layers (``write_kv_cache`` +
    ``paged_attention``, for ``generate()`` and continuous batching alike).
 4. ``fused``: decoder layers with a pre-norm or sandwich-norm residual layout run the residual add
-   and the next norm as one ``fused_add_rms_norm``.
+   and the next norm as one ``fused_add_rms_norm`` (``fused_add_layer_norm``).
 5. ``experts``: mixture-of-experts layers run ``fused_experts`` and their routers ``moe_route``.
 
 Each norm, MLP, q/k/v merge and router is first checked alone against the module it replaces.
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers import CustomOp, PagedAttention, PluggableLayer, RMSNorm, resolve
+from ..layers import CustomOp, LayerNorm, PagedAttention, PluggableLayer, RMSNorm, resolve
 from ..tolerances import mismatch
 from . import checkpoint
 from .attention import paging_changes
@@ -44,14 +45,20 @@ from .changes import Change, swap
 from .decoder import FUSABLE, install_fused_forward, remove_fused_forward
 from .detect import (
     MLPSpec,
-    NormSpec,
     NotDetected,
     detect_decoder_layout,
     detect_gated_mlp,
-    detect_rms_norm,
     detect_shared_inputs,
     looks_like_decoder_layer,
     looks_like_mlp,
+)
+from .detect_norms import (
+    GatedNormSpec,
+    LayerNormSpec,
+    NormSpec,
+    detect_gated_rms_norm,
+    detect_layer_norm,
+    detect_rms_norm,
 )
 from .experts import experts_changes
 from .report import RewireReport
@@ -151,17 +158,21 @@ def _replacement(parent: nn.Module, name: str, path: str, module: nn.Module, rep
                  verify: bool) -> Change | None:
     if isinstance(module, (CustomOp, PluggableLayer)):
         return None  # ours already (or a plugin's)
-    norm = detect_rms_norm(module)
-    if isinstance(norm, NormSpec):
-        new = build_norm(module, norm)
-        problem = _disagreement(module, new) if verify else None
-        if problem is not None:
-            report.add("left", path, module, detail=f"replacement disagreed: {problem}")
-            return None
-        return Change("norm", path, type(module).__name__, type(new).__name__, _describe_norm(norm),
-                      *swap(parent, name, new))
-    if isinstance(norm, NotDetected):
-        report.add("left", path, module, detail=norm.reason)
+    reasons: list[str] = []
+    for detect, build, describe in _NORMS:
+        spec = detect(module)
+        if isinstance(spec, NotDetected):
+            reasons.append(spec.reason)
+        elif spec is not None:
+            new = build(module, spec)
+            problem = _disagreement(module, new, gated=isinstance(spec, GatedNormSpec)) if verify else None
+            if problem is not None:
+                report.add("left", path, module, detail=f"replacement disagreed: {problem}")
+                return None
+            return Change("norm", path, type(module).__name__, type(new).__name__, describe(spec),
+                          *swap(parent, name, new))
+    if reasons:
+        report.add("left", path, module, detail="; ".join(dict.fromkeys(reasons)))
         return None
     mlp = detect_gated_mlp(module)
     if isinstance(mlp, MLPSpec):
@@ -196,6 +207,41 @@ def build_norm(module: nn.Module, spec: NormSpec) -> nn.Module:
     weight = getattr(module, spec.weight_name) if spec.weight_name else None
     return resolve("rms_norm")(spec.hidden_size, spec.eps, spec.numerics, has_weight=weight is not None,
                                weight=weight)
+
+
+def build_layer_norm(module: nn.Module, spec: LayerNormSpec) -> nn.Module:
+    weight = getattr(module, spec.weight_name) if spec.weight_name else None
+    bias = getattr(module, spec.bias_name) if spec.bias_name else None
+    return resolve("layer_norm")(spec.hidden_size, spec.eps, spec.numerics, has_weight=weight is not None,
+                                 has_bias=bias is not None, num_heads=spec.num_heads, weight=weight, bias=bias)
+
+
+def build_gated_norm(module: nn.Module, spec: GatedNormSpec) -> nn.Module:
+    weight = getattr(module, spec.weight_name) if spec.weight_name else None
+    return resolve("gated_rms_norm")(spec.hidden_size, spec.eps, order=spec.order, group_size=spec.group_size,
+                                     numerics=spec.numerics, activation=spec.activation,
+                                     has_weight=weight is not None, weight=weight)
+
+
+def _describe_layer_norm(spec: LayerNormSpec) -> str:
+    parts = [f"weight '{spec.weight_name}'" if spec.weight_name else "no weight",
+             f"bias '{spec.bias_name}'" if spec.bias_name else "no bias"]
+    heads = f", per head {spec.shape}" if spec.num_heads else ""
+    return f"layer norm, eps={spec.eps:g}, numerics={spec.numerics}, {', '.join(parts)}{heads}"
+
+
+def _describe_gated_norm(spec: GatedNormSpec) -> str:
+    groups = f", groups of {spec.group_size}" if spec.group_size else ""
+    return (f"gated RMS norm, {spec.order}, act={spec.activation}, eps={spec.eps:g}, "
+            f"numerics={spec.numerics}{groups}")
+
+
+#: The norm detectors, tried in order: (detect, build, describe).
+_NORMS: tuple[tuple[Callable[[nn.Module], Any], Callable[[nn.Module, Any], nn.Module], Callable[[Any], str]], ...] = (
+    (detect_rms_norm, build_norm, _describe_norm),
+    (detect_layer_norm, build_layer_norm, _describe_layer_norm),
+    (detect_gated_rms_norm, build_gated_norm, _describe_gated_norm),
+)
 
 
 def build_mlp(module: nn.Module, spec: MLPSpec) -> nn.Module:
@@ -248,14 +294,17 @@ def mlp_converters(path: str, spec: MLPSpec) -> list[Any]:
     return converters
 
 
-def _disagreement(original: nn.Module, new: nn.Module) -> str | None:
+def _disagreement(original: nn.Module, new: nn.Module, *, gated: bool = False) -> str | None:
     weight = next(iter(original.parameters()), None)
-    if weight is None or weight.is_meta:
+    if weight is not None and weight.is_meta:
         return None
-    hidden = new.hidden_size
-    x = torch.randn(2, 3, hidden, generator=torch.Generator().manual_seed(hidden)).to(weight.device, weight.dtype)
+    device, dtype = (weight.device, weight.dtype) if weight is not None else ("cpu", torch.float32)
+    heads = getattr(new, "num_heads", None)
+    shape = (2, 3, new.hidden_size) if heads is None else (2, 3, heads, new.hidden_size)
+    g = torch.Generator().manual_seed(new.hidden_size)
+    inputs = [torch.randn(*shape, generator=g).to(device, dtype) for _ in range(2 if gated else 1)]
     with torch.no_grad():
-        want, got = original(x), new(x)
+        want, got = original(*inputs), new(*inputs)
     if want.dtype != got.dtype:
         return f"dtype {got.dtype} instead of {want.dtype}"
     return mismatch(got, want.double(), want.dtype)
@@ -364,7 +413,7 @@ def _attention(model: nn.Module, report: RewireReport, options: Options) -> list
 def _fused(model: nn.Module, report: RewireReport, options: Options) -> list[Change]:
     made: list[Change] = []
     for path, layer in model.named_modules():
-        norms = {name for name, child in layer.named_children() if isinstance(child, RMSNorm)}
+        norms = {name for name, child in layer.named_children() if isinstance(child, (RMSNorm, LayerNorm))}
         if not looks_like_decoder_layer(layer, norms) or "forward" in layer.__dict__:
             continue
         hidden = next(getattr(layer, n).hidden_size for n in norms)
@@ -386,8 +435,9 @@ def _fused(model: nn.Module, report: RewireReport, options: Options) -> list[Cha
             remove_fused_forward(layer)
 
         apply()
+        op = "fused_add_layer_norm" if isinstance(getattr(layer, fused_norm), LayerNorm) else "fused_add_rms_norm"
         made.append(Change("fused", path, type(layer).__name__, layout.name,
-                           f"residual add + {fused_norm} -> fused_add_rms_norm", apply, undo))
+                           f"residual add + {fused_norm} -> {op}", apply, undo))
     return made
 
 

@@ -55,6 +55,11 @@ class CompiledReference:
         self._dynamo: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self.failed = False
 
+    @property
+    def has_compiled(self) -> bool:
+        """Whether some specialisation runs compiled code (lean or torch.compile)."""
+        return not self.failed and (bool(self._dynamo) or any(g is not None for g in self.lean.values()))
+
     def __call__(self, *args: Any) -> Any:
         if self.failed:
             return self.reference(*args)

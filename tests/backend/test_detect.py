@@ -11,13 +11,12 @@ from hw_agnostic.tolerances import mismatch
 from hw_agnostic.backend.detect import (
     DecoderLayout,
     MLPSpec,
-    NormSpec,
     NotDetected,
     detect_decoder_layout,
     detect_gated_mlp,
-    detect_rms_norm,
     identify_activation,
 )
+from hw_agnostic.backend.detect_norms import NormSpec, detect_rms_norm
 
 
 class ScaleFirstNorm(nn.Module):

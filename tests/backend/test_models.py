@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hw_agnostic import ops, rewire
-from hw_agnostic.layers import GatedMLP, QKVProjection, RMSNorm
+from hw_agnostic.layers import GatedMLP, GatedRMSNorm, LayerNorm, QKVProjection, RMSNorm
 from hw_agnostic.tolerances import assert_close
 from tests.backend.models import EXPECTED, FAMILIES, build, prompt
 from tests.conftest import kernel_device
@@ -78,20 +78,55 @@ def test_a_scaled_residual_is_not_fused_and_stays_correct():
 
 
 def test_layernorm_and_plain_mlp_models_are_left_correct():
-    """OPT: LayerNorms and fc1 -> relu -> fc2 MLPs are listed with reasons and nothing breaks."""
+    """OPT: LayerNorms run on layer_norm; fc1 -> relu -> fc2 MLPs are listed with reasons; same logits."""
     config = AutoConfig.for_model("opt", vocab_size=256, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                                   num_attention_heads=4, word_embed_proj_dim=64, max_position_embeddings=128)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     reference = copy.deepcopy(model)
     report = rewire(model)
-    assert not any(isinstance(m, (RMSNorm, GatedMLP)) for m in model.modules())
-    reasons = " ".join(e.detail for e in report.left)
-    assert "LayerNorm has a bias" in reasons
+    assert sum(isinstance(m, LayerNorm) for m in model.modules()) == 5 and report.count("LayerNorm") == 5
+    assert not any(isinstance(m, GatedMLP) for m in model.modules())
+    assert any(e.path == "model.decoder.layers.0" for e in report.left)  # its MLP is inline: explained
     ids = prompt()
+    with torch.no_grad(), ops.trace_dispatch() as ran:
+        got = model(ids).logits
+    assert "layer_norm" in {p.op for p in ran}
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, reference(ids).logits) or _relative(
-            model(ids).logits, reference(ids).logits) <= 1e-6
+        assert _relative(got, reference(ids).logits) <= 1e-5
+
+
+#: Families whose norms are layer norms or gated RMS norms: (family, layer norms, gated norms, fused op).
+NORM_FAMILIES = [
+    ("stablelm", 5, 0, "fused_add_layer_norm"),
+    ("nemotron", 5, 0, "fused_add_layer_norm"),  # LayerNorm1P: (1 + w)
+    ("cohere", 3, 0, None),  # weight-only layer norms; parallel attention and MLP: nothing to fuse
+    ("bamba", 0, 7, None),  # Mamba-2 mixers' grouped gated norms (its layers are not fused: see the report)
+    ("qwen3_next", 0, 1, None),  # linear attention's gated norm
+]
+
+
+@pytest.mark.parametrize("family, layer_norms, gated_norms, fused", NORM_FAMILIES, ids=[f[0] for f in NORM_FAMILIES])
+def test_layer_norm_and_gated_norm_families_run_on_their_ops(family, layer_norms, gated_norms, fused):
+    from tests.zoo.families import build as build_zoo
+
+    model = build_zoo(family)
+    reference = copy.deepcopy(model)
+    report = rewire(model)
+    assert sum(isinstance(m, LayerNorm) for m in model.modules()) == layer_norms, report.table()
+    assert sum(isinstance(m, GatedRMSNorm) for m in model.modules()) == gated_norms, report.table()
+    if fused:
+        assert any(fused in e.detail for e in report.fused), report.table()
+    else:
+        assert not report.fused
+    ids = torch.randint(3, 200, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), ops.trace_dispatch() as ran:
+        got = model(ids).logits
+    ran_ops = {p.op for p in ran}
+    assert ("layer_norm" in ran_ops) == bool(layer_norms) and ("gated_rms_norm" in ran_ops) == bool(gated_norms)
+    assert fused is None or fused in ran_ops
+    with torch.no_grad():
+        assert _relative(got, reference(ids).logits) <= 1e-5
 
 
 def test_report_prints_as_a_table(capsys):
