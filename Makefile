@@ -18,7 +18,7 @@ BENCH_ARGS ?=
 # Compile targets of the compile tier and compile-report (sm_80,sm_90,sm_100,gfx942,gfx1100).
 COMPILE_TARGETS ?= all
 
-.PHONY: test test-reference test-triton-interpret test-helion-interpret test-compile test-zoo test-vllm mutation bench autotune demo \
+.PHONY: test test-reference test-triton-interpret test-helion-interpret test-compile test-zoo zoo-coverage test-vllm mutation bench autotune demo \
 	doctor compile-report target-defaults gpu-campaign gpu-wheels clean
 
 $(VENV)/.installed-%: pyproject.toml
@@ -37,6 +37,10 @@ test-reference: $(VENV)/.installed-test
 # Every causal-LM family transformers ships, tiny, rewired and checked against itself.
 test-zoo: $(VENV)/.installed-test
 	$(PYTEST) -m zoo tests/zoo
+
+# How many zoo families are fully rewired, and what is left in the others (not a test: a count).
+zoo-coverage: $(VENV)/.installed-test
+	$(PY) -m tests.zoo.coverage
 
 test-triton-interpret: $(VENV)/.installed-test
 	TRITON_INTERPRET=1 $(PYTEST) -m dsl tests
