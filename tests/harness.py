@@ -90,10 +90,12 @@ def dsl_providers(op: Op) -> list[str]:
 def fuzz_examples(triton: int, elsewhere: int) -> int:
     """How many examples a DSL fuzz test draws in this process: the Triton interpreter costs
     milliseconds per program instance and a code generation per new specialisation; Helion's
-    eager mode and GPUs cost far less, so they draw more."""
+    eager mode and GPUs cost far less, so they draw more. Compile-for-target mode compiles each
+    new specialisation for every target: as few as the Triton interpreter."""
+    from hw_agnostic.kernels import targets
     from hw_agnostic.kernels.interpret import interpreter_mode
 
-    return triton if interpreter_mode() == "triton" else elsewhere
+    return triton if interpreter_mode() == "triton" or targets.active_mode() is not None else elsewhere
 
 
 def seeded_generator(name: str) -> torch.Generator:
@@ -192,8 +194,12 @@ def check_provider(op: Op, provider: str, case: Case, device: str) -> None:
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-for-bit equality (``torch.equal`` calls a NaN unequal to itself)."""
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bytes(a), _bytes(b))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    # A fresh dense copy: ``contiguous()`` keeps a one-element view's stride, which ``view`` refuses.
+    return torch.empty(t.numel(), dtype=t.dtype, device=t.device).copy_(t.reshape(-1)).view(torch.uint8)
 
 
 def _spec_roundings_as_exact(got: torch.Tensor, spec: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:

@@ -318,9 +318,12 @@ def default_paged_attention_config(key: Mapping[str, Any]) -> Config:
         return {"block_sizes": [rows, 16], "num_warps": 4 if rows * width < 32 * 64 else 8, "num_stages": 2,
                 "num_splits": "auto"}
     keys = 64 if head_dim <= 128 else 32
-    # 64 rows x 128 dims on 4 warps sit at the register limit (255 on sm_80, 256 VGPRs on gfx942)
-    # and spill once masks for a padded head dim or a softcap join in: 8 warps from there.
-    warps = 4 if rows * width < 64 * 128 else 8
+    if width > 128:  # 64 x 256 tiles spill 120 bytes on gfx942 even on 8 warps
+        rows = min(rows, 32)
+    # With the non-finite bookkeeping of the hot loop, 16 rows x 128 dims on 4 warps already sit at
+    # sm_90's 255-register limit (44 bytes spilled) and 64 x 128 spill hundreds of bytes on every
+    # NVIDIA target: 8 warps from 16 x 128 (no spills on sm_90 or gfx942; sm_80 prefill still spills).
+    warps = 4 if rows * width < 16 * 128 else 8
     return {"block_sizes": [rows, keys], "num_warps": warps, "num_stages": 2 if key.get("decode") else 3,
             "num_splits": "auto"}
 
