@@ -379,7 +379,20 @@ class Op:
             launches.append((tuple(names), *built))
         reference_run = self.providers[-1].build(key, None, args) if mode.run_reference else None
         name = self.name
+        if not mode.compile and reference_run is None and len(launches) == 1:
+            # Launches only counted, nothing computed: the call is its host work, as on a GPU.
+            run = launches[0][1]
+        else:
+            run = self._target_run(name, launches, reference_run)
+        where = "; ".join(", ".join(names) + (f" (config {choice.config} from {choice.describe()})"
+                                               if len(launches) > 1 and choice is not None else "")
+                          for names, _, choice in launches)
+        done = "compiled for" if mode.compile else "launches counted for"
+        note = f"{done} {where}, " + ("results from the reference" if reference_run else "not run")
+        return (run, launches[0][2]), note
 
+    @staticmethod
+    def _target_run(name: str, launches: list, reference_run: Callable[..., Any] | None) -> Callable[..., Any]:
         def run(*call_args: Any) -> Any:
             result = None
             with targets.launched_by(name):
@@ -388,11 +401,7 @@ class Op:
                         result = kernel_run(*call_args)
             return result if reference_run is None else reference_run(*call_args)
 
-        where = "; ".join(", ".join(names) + (f" (config {choice.config} from {choice.describe()})"
-                                               if len(launches) > 1 and choice is not None else "")
-                          for names, _, choice in launches)
-        note = f"compiled for {where}, " + ("results from the reference" if reference_run else "not run")
-        return (run, launches[0][2]), note
+        return run
 
     def _config_for(self, provider: Provider, key: Any, args: tuple[Any, ...],
                     target: str | None = None) -> config_cache.ConfigChoice:
