@@ -59,7 +59,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers.attention import (
-    _STATE, PagedAttention, PagedBatch, PagedKVCache, TransientPages, attend,
+    _STATE, PagedAttention, PagedBatch, PagedKVCache, StepShare, TransientPages, attend,
 )
 from ..layers.base import resolve
 from ..ops.write_kv_cache import write_kv_cache
@@ -151,10 +151,12 @@ class PagedCacheLayer(_cache_layer_base()):  # type: ignore[misc]
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, *, is_sliding: bool = False, block_size: int = 16) -> None:
+    def __init__(self, *, is_sliding: bool = False, block_size: int = 16, share: Optional[StepShare] = None) -> None:
         super().__init__()
         self.is_sliding = is_sliding
         self.block_size = block_size
+        # one per transformers Cache: its layers compute each step's metadata once (see StepShare)
+        self.share = share if share is not None else StepShare()
         self.store: Optional[PagedKVCache] = None
         self.is_initialized = True
 
@@ -166,7 +168,7 @@ class PagedCacheLayer(_cache_layer_base()):  # type: ignore[misc]
         batch_size, heads, _, head_dim = key_states.shape
         if self.store is None:
             self.store = PagedKVCache(batch_size, heads, head_dim, block_size=self.block_size,
-                                      dtype=key_states.dtype, device=key_states.device)
+                                      dtype=key_states.dtype, device=key_states.device, share=self.share)
         batch = self.store.append(key_states.transpose(1, 2), value_states.transpose(1, 2), real)
         batch.key_states, batch.value_states = key_states, value_states
         return batch
@@ -306,7 +308,9 @@ def paged_layer_of(cache: Any, index: int, block_size: int, windowed: bool = Tru
         return None
     if getattr(current, "is_sliding", False) and not windowed:
         return None
-    paged = PagedCacheLayer(is_sliding=bool(getattr(current, "is_sliding", False)), block_size=block_size)
+    share = next((layer.share for layer in layers if isinstance(layer, PagedCacheLayer)), None)
+    paged = PagedCacheLayer(is_sliding=bool(getattr(current, "is_sliding", False)), block_size=block_size,
+                            share=share)
     layers[index] = paged
     return paged
 
@@ -334,8 +338,9 @@ class _StoreBinding:
             if kwargs is not None:
                 extra["kwargs"] = kwargs
             return self.cache.update(key_states, value_states, layer_idx, *args, **extra)
-        past = paged.get_seq_length()
-        batch = paged.append(key_states, value_states, real_tokens(self.attention_mask, key_states.shape[2], past))
+        past, q_len, mask = paged.get_seq_length(), key_states.shape[2], self.attention_mask
+        real = paged.share.once(("real", mask, q_len, past), lambda: real_tokens(mask, q_len, past))
+        batch = paged.append(key_states, value_states, real)
         if index == own:
             self.layer.__dict__[_STATE].kv = paged.store
         if self.fallback:
@@ -423,11 +428,17 @@ def _one_token_blocks(states: Tensor) -> Tensor:
 # binding and enabling
 
 
-def bind_cache(layer: PagedAttention, cache: Any, attention_mask: Any, fallback: bool) -> Any:
-    """The object the module writes K/V through, for the cache its forward received (None: none)."""
+@functools.lru_cache(maxsize=None)
+def _cache_classes() -> tuple[type, type, type]:
     from transformers.cache_utils import Cache, EncoderDecoderCache
     from transformers.generation.continuous_batching import PagedAttentionCache
 
+    return Cache, EncoderDecoderCache, PagedAttentionCache
+
+
+def bind_cache(layer: PagedAttention, cache: Any, attention_mask: Any, fallback: bool) -> Any:
+    """The object the module writes K/V through, for the cache its forward received (None: none)."""
+    Cache, EncoderDecoderCache, PagedAttentionCache = _cache_classes()
     if isinstance(cache, PagedAttentionCache):
         return _ContinuousBatchingBinding(layer, cache, fallback)
     if isinstance(cache, EncoderDecoderCache):  # a decoder's self-attention writes only its own half

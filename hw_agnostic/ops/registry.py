@@ -52,6 +52,7 @@ from ..autotune.platform import compile_target, platform_of
 from ..kernels import targets
 from ..kernels.interpret import interpreter_mode
 from ..kernels.runtime import KernelSpec
+from . import checks
 from .compiled_reference import CompiledReference
 
 log = logging.getLogger("hw_agnostic.ops")
@@ -464,14 +465,27 @@ def _signature(args: tuple[Any, ...], storages: bool) -> tuple[Any, ...]:
     parts: list[Any] = []
     for arg in args:
         if isinstance(arg, torch.Tensor):
-            if storages:  # the in-place checks compare buffers
-                parts.append((arg.shape, arg.stride(), arg.dtype, arg.device, arg.untyped_storage().data_ptr(),
-                              arg.storage_offset()))
-            else:
-                parts.append((arg.shape, arg.stride(), arg.dtype, arg.device))
+            parts.append((arg.shape, arg.stride(), arg.dtype, arg.device))
         else:
             parts.append((type(arg), arg))  # 1, 1.0 and True are equal, but not the same argument
+    if storages:  # the in-place checks compare where the tensors lie
+        parts.append(_placement(args))
     return tuple(parts)
+
+
+def _placement(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Where the tensor arguments lie, as far as the in-place checks can tell: they compare places
+    only through overlap (:func:`.checks.overlap`), so the pairs whose address ranges meet, with
+    their addresses, and nothing of tensors that meet no other (a decode step's fresh K/V written
+    into the same caches keeps one signature)."""
+    spans = [(i, span, arg) for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)
+             and (span := checks.address_range(arg)) is not None]
+    meeting: list[Any] = []
+    for n, (i, (start, end), arg) in enumerate(spans):
+        for j, (other_start, other_end), other in spans[n + 1:]:
+            if start < other_end and other_start < end:
+                meeting.append((i, j, arg.data_ptr(), other.data_ptr()))
+    return tuple(meeting)
 
 
 def _register_reference_backward(custom: Any, reference: Callable[..., Any]) -> None:
