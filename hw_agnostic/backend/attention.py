@@ -557,16 +557,30 @@ def _install_pages_first(model: nn.Module) -> None:
         if not any(name in names for name in _CACHE_ARGUMENTS):
             continue
         attention = [m for m in module.modules() if isinstance(m, PagedAttention)]
+        # caches whose slots this hook paged already, with their layer count then (the hook runs
+        # before every forward, a decode step's too: looking at every slot again costs per layer)
+        done: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
-        def install(mod: nn.Module, args: tuple, kwargs: dict, attention: list = attention) -> None:
-            from transformers.cache_utils import Cache
-
+        def install(mod: nn.Module, args: tuple, kwargs: dict, attention: list = attention,
+                    done: "weakref.WeakKeyDictionary[Any, int]" = done) -> None:
             cache = next((kwargs[n] for n in _CACHE_ARGUMENTS if kwargs.get(n) is not None), None)
-            if isinstance(cache, Cache):
+            if isinstance(cache, _cache_classes()[0]):
+                layers = getattr(cache, "layers", None)
+                count = len(layers) if isinstance(layers, list) else -1
+                try:
+                    if done.get(cache) == count:
+                        return
+                except TypeError:  # a cache that takes no weak reference: look every time
+                    pass
                 for layer in attention:
                     index = getattr(layer, "layer_idx", None)
                     if isinstance(layer, PagedAttention) and isinstance(index, int):
                         paged_layer_of(cache, index, layer.block_size, layer.passes_window)
+                layers = getattr(cache, "layers", None)
+                try:
+                    done[cache] = len(layers) if isinstance(layers, list) else -1
+                except TypeError:
+                    pass
 
         _hooks[module] = module.register_forward_pre_hook(install, with_kwargs=True)
 

@@ -246,7 +246,7 @@ class Op:
         try:
             signature = _signature(args, bool(self.mutates_args))
             plan = self._checked.get(signature)
-        except TypeError:  # an unhashable argument: no shortcut
+        except (TypeError, RuntimeError, NotImplementedError):  # unhashable, or a tensor without storage: no shortcut
             signature, plan = None, None
         if plan is None:
             self.check(*args)
@@ -475,15 +475,19 @@ def _signature(args: tuple[Any, ...], storages: bool) -> tuple[Any, ...]:
 
 def _placement(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """Where the tensor arguments lie, as far as the in-place checks can tell: they compare places
-    only through overlap (:func:`.checks.overlap`), so the pairs whose address ranges meet, with
-    their addresses, and nothing of tensors that meet no other (a decode step's fresh K/V written
-    into the same caches keeps one signature)."""
-    spans = [(i, span, arg) for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)
-             and (span := checks.address_range(arg)) is not None]
+    only through overlap (:func:`.checks.overlap`), so the pairs of arguments whose storages'
+    address ranges meet, with their addresses, and nothing of a tensor whose storage meets no
+    other's (a decode step's fresh K/V written into the same caches keeps one signature)."""
+    spans = []
+    for i, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor):
+            storage = arg.untyped_storage()  # raises for tensors without storage: no shortcut then
+            start = storage.data_ptr()
+            spans.append((i, start, start + storage.nbytes(), arg))
     meeting: list[Any] = []
-    for n, (i, (start, end), arg) in enumerate(spans):
-        for j, (other_start, other_end), other in spans[n + 1:]:
-            if start < other_end and other_start < end:
+    for n, (i, start, end, arg) in enumerate(spans):
+        for j, other_start, other_end, other in spans[n + 1:]:
+            if start < other_end and other_start < end or start == other_start:
                 meeting.append((i, j, arg.data_ptr(), other.data_ptr()))
     return tuple(meeting)
 
