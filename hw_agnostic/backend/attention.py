@@ -542,13 +542,20 @@ def _install_pages_first(model: nn.Module) -> None:
     transformers builds the attention masks (and reads padding into them) from the cache's layers
     before any attention module runs, so the slots must already be paged when it does: a static
     cache's masks, for one, span its whole capacity, which a paged view does not. The hook goes on
-    every ancestor of a paged module whose forward takes a cache (the model and its base model).
+    every ancestor of a paged module whose forward takes a cache (the model and its base model),
+    but not on the blocks of a layer stack (members of a ``ModuleList`` / ``ModuleDict``): they
+    build no masks, their attention pages its slot when it writes, and a hook would cost every
+    block call of every step PyTorch's slow call path.
     """
     paths = [path for path, m in model.named_modules() if isinstance(m, PagedAttention)]
     ancestors = {""} | {path.rsplit(".", depth)[0] for path in paths for depth in range(1, path.count(".") + 1)}
+    stacks = (nn.ModuleList, nn.ModuleDict)
     for path in sorted(ancestors):
         module = model.get_submodule(path)
         if module in _hooks:
+            continue
+        parent = model.get_submodule(path.rpartition(".")[0]) if path else None
+        if isinstance(parent, stacks):
             continue
         try:
             names = inspect.signature(type(module).forward).parameters
