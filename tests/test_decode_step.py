@@ -82,3 +82,24 @@ def test_counting_launches_compiles_and_runs_nothing():
     want = {name: count * layers for name, count in LAYER_KERNELS.items()}
     want["rms_norm"] += 1  # the model's final norm
     assert dict(log.launches) == want
+
+
+def test_a_versioned_share_recomputes_after_an_input_is_refilled_in_place():
+    """Continuous batching's index buffers belong to transformers, which may refill them between
+    forwards: what was computed from a buffer is shared only while the buffer is unchanged."""
+    share = paged.StepShare(versioned=True)
+    lengths = torch.tensor([0, 3, 5], dtype=torch.int32)
+
+    def differences():
+        return lengths[1:] - lengths[:-1]
+
+    first = share.once(("lengths", lengths), differences)
+    assert share.once(("lengths", lengths), differences) is first
+    lengths.copy_(torch.tensor([0, 4, 9], dtype=torch.int32))
+    assert share.once(("lengths", lengths), differences).tolist() == [4, 5]
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 1])  # an inference tensor: no version counter, so never shared
+        computed = share.computed
+        share.once(("lengths", frozen), lambda: frozen + 1)
+        share.once(("lengths", frozen), lambda: frozen + 1)
+        assert share.computed == computed

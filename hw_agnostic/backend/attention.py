@@ -356,6 +356,20 @@ class _StoreBinding:
 # continuous batching: transformers' PagedAttentionCache
 
 
+#: each continuous-batching cache's StepShare: a forward's lengths and block tables, computed once for its layers
+_batching_shares: "weakref.WeakKeyDictionary[Any, StepShare]" = weakref.WeakKeyDictionary()
+
+
+def _batching_share(cache: Any) -> StepShare:
+    try:
+        share = _batching_shares.get(cache)
+        if share is None:
+            share = _batching_shares[cache] = StepShare(versioned=True)  # its index buffers may be refilled
+        return share
+    except TypeError:  # a cache that takes no weak reference: nothing shared
+        return StepShare(versioned=True)
+
+
 class _ContinuousBatchingBinding:
     def __init__(self, layer: PagedAttention, cache: Any, fallback: bool) -> None:
         self.layer, self.cache, self.fallback = layer, cache, fallback
@@ -370,26 +384,32 @@ class _ContinuousBatchingBinding:
             cu_k, max_k = cu_k[allocator.layer_type], max_k[allocator.layer_type]
         cu_q, max_q = kwargs["cu_seq_lens_q"], int(kwargs["max_length_q"])
         if allocator.supports_block_table:
-            batch = self._paged(allocator, layer_idx, key_states, value_states, cu_q, cu_k.to(torch.int32), max_q,
-                                int(max_k), kwargs)
+            share = _batching_share(self.cache)
+            cu_k = share.once(("int32", cu_k), lambda: cu_k.to(torch.int32))
+            batch = self._paged(share, allocator, layer_idx, key_states, value_states, cu_q, cu_k, max_q, int(max_k),
+                                kwargs)
         else:
             batch = self._windowed(layer_idx, key_states, value_states, cu_q, max_q, kwargs)
         batch.key_states, batch.value_states = key_states, value_states
         self.layer.__dict__[_STATE].pending = batch
         return key_states, value_states
 
-    def _paged(self, allocator: Any, layer_idx: int, key_states: Tensor, value_states: Tensor, cu_q: Tensor,
-               cu_k: Tensor, max_q: int, max_k: int, kwargs: dict) -> PagedBatch:
+    def _paged(self, share: StepShare, allocator: Any, layer_idx: int, key_states: Tensor, value_states: Tensor,
+               cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, kwargs: dict) -> PagedBatch:
+        """The layers of one forward read the same index tensors: their block table and lengths are
+        computed by the first (``share``, keyed on those tensors)."""
         k_pages, v_pages = allocator.get_cache_for_block_table(layer_idx)
-        write_kv_cache(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), k_pages, v_pages,
-                       kwargs["write_index"][allocator.index])
+        write_index = kwargs["write_index"][allocator.index]
+        write_kv_cache(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), k_pages, v_pages, write_index)
         tables = kwargs.get("block_table")
         if tables is not None:
             table = tables[allocator.index]
         else:
-            table = _block_table(kwargs["read_index"][allocator.index], kwargs["write_index"][allocator.index],
-                                 cu_q, cu_k, max_k, allocator.tokens_per_page)
-        return PagedBatch(k_pages, v_pages, table, cu_q, cu_k[1:] - cu_k[:-1], max_q, max_k)
+            read_index, page = kwargs["read_index"][allocator.index], allocator.tokens_per_page
+            table = share.once(("table", read_index, write_index, cu_q, cu_k, max_k, page),
+                               lambda: _block_table(read_index, write_index, cu_q, cu_k, max_k, page))
+        lengths = share.once(("lengths", cu_k), lambda: cu_k[1:] - cu_k[:-1])
+        return PagedBatch(k_pages, v_pages, table, cu_q, lengths, max_q, max_k)
 
     def _windowed(self, layer_idx: int, key_states: Tensor, value_states: Tensor, cu_q: Tensor, max_q: int,
                   kwargs: dict) -> PagedBatch:

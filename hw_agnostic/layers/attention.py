@@ -300,12 +300,22 @@ class StepShare:
 
     KEPT = 8
 
-    def __init__(self) -> None:
+    def __init__(self, *, versioned: bool = False) -> None:
         self._entries: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = {}
         self.computed = 0  # how many entries were computed (the rest were shared)
+        # Inputs that someone else owns and may refill in place (continuous batching's index
+        # buffers) are keyed on their version counter too; one without a counter (an inference
+        # tensor) is never shared.
+        self.versioned = versioned
 
     def once(self, inputs: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
-        key = tuple(x if isinstance(x, _SHARED_BY_VALUE) else id(x) for x in inputs)
+        if self.versioned:
+            if any(isinstance(x, Tensor) and x.is_inference() for x in inputs):
+                return compute()  # not counted in `computed`: nothing was kept
+            key = tuple(x if isinstance(x, _SHARED_BY_VALUE) else
+                        (id(x), x._version) if isinstance(x, Tensor) else id(x) for x in inputs)
+        else:
+            key = tuple(x if isinstance(x, _SHARED_BY_VALUE) else id(x) for x in inputs)
         found = self._entries.get(key)
         if found is not None:
             return found[1]
