@@ -103,3 +103,4 @@ def test_a_versioned_share_recomputes_after_an_input_is_refilled_in_place():
         share.once(("lengths", frozen), lambda: frozen + 1)
         share.once(("lengths", frozen), lambda: frozen + 1)
         assert share.computed == computed
+

@@ -339,7 +339,8 @@ class _StoreBinding:
                 extra["kwargs"] = kwargs
             return self.cache.update(key_states, value_states, layer_idx, *args, **extra)
         past, q_len, mask = paged.get_seq_length(), key_states.shape[2], self.attention_mask
-        real = paged.share.once(("real", mask, q_len, past), lambda: real_tokens(mask, q_len, past))
+        # the mask is the caller's, who may refill it in place: keyed on its version too
+        real = paged.share.once(("real", mask, q_len, past), lambda: real_tokens(mask, q_len, past), versioned=True)
         batch = paged.append(key_states, value_states, real)
         if index == own:
             self.layer.__dict__[_STATE].kv = paged.store

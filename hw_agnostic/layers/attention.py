@@ -308,10 +308,13 @@ class StepShare:
         # tensor) is never shared.
         self.versioned = versioned
 
-    def once(self, inputs: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
-        if self.versioned:
-            if any(isinstance(x, Tensor) and x.is_inference() for x in inputs):
-                return compute()  # not counted in `computed`: nothing was kept
+    def once(self, inputs: tuple[Any, ...], compute: Callable[[], Any], *, versioned: Optional[bool] = None) -> Any:
+        """``compute()``, or what it gave for the same inputs (``versioned``: as for the share)."""
+        if self.versioned if versioned is None else versioned:
+            # Not kept: inputs without a version counter (inference tensors), and inside a traced
+            # graph (which reads no counters; the graph computes its metadata as it goes).
+            if torch.compiler.is_compiling() or any(isinstance(x, Tensor) and x.is_inference() for x in inputs):
+                return compute()
             key = tuple(x if isinstance(x, _SHARED_BY_VALUE) else
                         (id(x), x._version) if isinstance(x, Tensor) else id(x) for x in inputs)
         else:
