@@ -45,7 +45,7 @@ from .timing import copy_bandwidth, matmul_tflops
 #: name -> module with ``run(device, *, quick, log[, only])`` yielding row dicts (and optionally
 #: ``count(device, quick[, only])``, the number of rows, for the progress line's ETA).
 SUITES = {"ops": "bench.ops_suite", "model": "bench.model_suite", "moe": "bench.moe_suite",
-          "attention": "bench.attention_suite", "vllm": "bench.vllm_suite"}
+          "attention": "bench.attention_suite", "vllm": "bench.vllm_suite", "decode_host": "bench.decode_host_suite"}
 HERE = Path(__file__).resolve().parent
 RUNS = HERE / "runs"
 VERSIONED = ("torch", "triton", "helion", "transformers", "numpy", "liger-kernel")

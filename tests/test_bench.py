@@ -192,3 +192,15 @@ def test_default_output_is_outside_the_tracked_tree(fake_harness, tmp_path, monk
     assert run.name.startswith("cpu-") and (run / "results.md").exists()
     ignored = (harness.HERE.parent / ".gitignore").read_text().splitlines()
     assert "/bench/runs/" in ignored and harness.RUNS != harness.HERE / "results"
+
+
+def test_decode_host_counts_kernel_launches_not_views_allocations_or_syncs():
+    from bench.decode_host_suite import LaunchCount
+
+    x = torch.randn(4, 4)
+    with LaunchCount() as counted:
+        x.view(16), x.t(), x[1:], torch.empty(3), x.reshape(2, 8)
+        x + 1, x.clone(), x.add_(1)
+        x.sum().item()
+    assert dict(counted.aten) == {"add": 1, "clone": 1, "add_": 1, "sum": 1}
+    assert counted.syncs == 1

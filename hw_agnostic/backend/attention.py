@@ -59,7 +59,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers.attention import (
-    _STATE, PagedAttention, PagedBatch, PagedKVCache, TransientPages, attend,
+    _STATE, PagedAttention, PagedBatch, PagedKVCache, StepShare, TransientPages, attend,
 )
 from ..layers.base import resolve
 from ..ops.write_kv_cache import write_kv_cache
@@ -151,10 +151,12 @@ class PagedCacheLayer(_cache_layer_base()):  # type: ignore[misc]
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, *, is_sliding: bool = False, block_size: int = 16) -> None:
+    def __init__(self, *, is_sliding: bool = False, block_size: int = 16, share: Optional[StepShare] = None) -> None:
         super().__init__()
         self.is_sliding = is_sliding
         self.block_size = block_size
+        # one per transformers Cache: its layers compute each step's metadata once (see StepShare)
+        self.share = share if share is not None else StepShare()
         self.store: Optional[PagedKVCache] = None
         self.is_initialized = True
 
@@ -166,7 +168,7 @@ class PagedCacheLayer(_cache_layer_base()):  # type: ignore[misc]
         batch_size, heads, _, head_dim = key_states.shape
         if self.store is None:
             self.store = PagedKVCache(batch_size, heads, head_dim, block_size=self.block_size,
-                                      dtype=key_states.dtype, device=key_states.device)
+                                      dtype=key_states.dtype, device=key_states.device, share=self.share)
         batch = self.store.append(key_states.transpose(1, 2), value_states.transpose(1, 2), real)
         batch.key_states, batch.value_states = key_states, value_states
         return batch
@@ -306,7 +308,9 @@ def paged_layer_of(cache: Any, index: int, block_size: int, windowed: bool = Tru
         return None
     if getattr(current, "is_sliding", False) and not windowed:
         return None
-    paged = PagedCacheLayer(is_sliding=bool(getattr(current, "is_sliding", False)), block_size=block_size)
+    share = next((layer.share for layer in layers if isinstance(layer, PagedCacheLayer)), None)
+    paged = PagedCacheLayer(is_sliding=bool(getattr(current, "is_sliding", False)), block_size=block_size,
+                            share=share)
     layers[index] = paged
     return paged
 
@@ -334,8 +338,10 @@ class _StoreBinding:
             if kwargs is not None:
                 extra["kwargs"] = kwargs
             return self.cache.update(key_states, value_states, layer_idx, *args, **extra)
-        past = paged.get_seq_length()
-        batch = paged.append(key_states, value_states, real_tokens(self.attention_mask, key_states.shape[2], past))
+        past, q_len, mask = paged.get_seq_length(), key_states.shape[2], self.attention_mask
+        # the mask is the caller's, who may refill it in place: keyed on its version too
+        real = paged.share.once(("real", mask, q_len, past), lambda: real_tokens(mask, q_len, past), versioned=True)
+        batch = paged.append(key_states, value_states, real)
         if index == own:
             self.layer.__dict__[_STATE].kv = paged.store
         if self.fallback:
@@ -349,6 +355,20 @@ class _StoreBinding:
 
 # --------------------------------------------------------------------------------------------
 # continuous batching: transformers' PagedAttentionCache
+
+
+#: each continuous-batching cache's StepShare: a forward's lengths and block tables, computed once for its layers
+_batching_shares: "weakref.WeakKeyDictionary[Any, StepShare]" = weakref.WeakKeyDictionary()
+
+
+def _batching_share(cache: Any) -> StepShare:
+    try:
+        share = _batching_shares.get(cache)
+        if share is None:
+            share = _batching_shares[cache] = StepShare(versioned=True)  # its index buffers may be refilled
+        return share
+    except TypeError:  # a cache that takes no weak reference: nothing shared
+        return StepShare(versioned=True)
 
 
 class _ContinuousBatchingBinding:
@@ -365,26 +385,32 @@ class _ContinuousBatchingBinding:
             cu_k, max_k = cu_k[allocator.layer_type], max_k[allocator.layer_type]
         cu_q, max_q = kwargs["cu_seq_lens_q"], int(kwargs["max_length_q"])
         if allocator.supports_block_table:
-            batch = self._paged(allocator, layer_idx, key_states, value_states, cu_q, cu_k.to(torch.int32), max_q,
-                                int(max_k), kwargs)
+            share = _batching_share(self.cache)
+            cu_k = share.once(("int32", cu_k), lambda: cu_k.to(torch.int32))
+            batch = self._paged(share, allocator, layer_idx, key_states, value_states, cu_q, cu_k, max_q, int(max_k),
+                                kwargs)
         else:
             batch = self._windowed(layer_idx, key_states, value_states, cu_q, max_q, kwargs)
         batch.key_states, batch.value_states = key_states, value_states
         self.layer.__dict__[_STATE].pending = batch
         return key_states, value_states
 
-    def _paged(self, allocator: Any, layer_idx: int, key_states: Tensor, value_states: Tensor, cu_q: Tensor,
-               cu_k: Tensor, max_q: int, max_k: int, kwargs: dict) -> PagedBatch:
+    def _paged(self, share: StepShare, allocator: Any, layer_idx: int, key_states: Tensor, value_states: Tensor,
+               cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, kwargs: dict) -> PagedBatch:
+        """The layers of one forward read the same index tensors: their block table and lengths are
+        computed by the first (``share``, keyed on those tensors)."""
         k_pages, v_pages = allocator.get_cache_for_block_table(layer_idx)
-        write_kv_cache(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), k_pages, v_pages,
-                       kwargs["write_index"][allocator.index])
+        write_index = kwargs["write_index"][allocator.index]
+        write_kv_cache(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), k_pages, v_pages, write_index)
         tables = kwargs.get("block_table")
         if tables is not None:
             table = tables[allocator.index]
         else:
-            table = _block_table(kwargs["read_index"][allocator.index], kwargs["write_index"][allocator.index],
-                                 cu_q, cu_k, max_k, allocator.tokens_per_page)
-        return PagedBatch(k_pages, v_pages, table, cu_q, cu_k[1:] - cu_k[:-1], max_q, max_k)
+            read_index, page = kwargs["read_index"][allocator.index], allocator.tokens_per_page
+            table = share.once(("table", read_index, write_index, cu_q, cu_k, max_k, page),
+                               lambda: _block_table(read_index, write_index, cu_q, cu_k, max_k, page))
+        lengths = share.once(("lengths", cu_k), lambda: cu_k[1:] - cu_k[:-1])
+        return PagedBatch(k_pages, v_pages, table, cu_q, lengths, max_q, max_k)
 
     def _windowed(self, layer_idx: int, key_states: Tensor, value_states: Tensor, cu_q: Tensor, max_q: int,
                   kwargs: dict) -> PagedBatch:
@@ -423,11 +449,17 @@ def _one_token_blocks(states: Tensor) -> Tensor:
 # binding and enabling
 
 
-def bind_cache(layer: PagedAttention, cache: Any, attention_mask: Any, fallback: bool) -> Any:
-    """The object the module writes K/V through, for the cache its forward received (None: none)."""
+@functools.lru_cache(maxsize=None)
+def _cache_classes() -> tuple[type, type, type]:
     from transformers.cache_utils import Cache, EncoderDecoderCache
     from transformers.generation.continuous_batching import PagedAttentionCache
 
+    return Cache, EncoderDecoderCache, PagedAttentionCache
+
+
+def bind_cache(layer: PagedAttention, cache: Any, attention_mask: Any, fallback: bool) -> Any:
+    """The object the module writes K/V through, for the cache its forward received (None: none)."""
+    Cache, EncoderDecoderCache, PagedAttentionCache = _cache_classes()
     if isinstance(cache, PagedAttentionCache):
         return _ContinuousBatchingBinding(layer, cache, fallback)
     if isinstance(cache, EncoderDecoderCache):  # a decoder's self-attention writes only its own half
@@ -531,13 +563,20 @@ def _install_pages_first(model: nn.Module) -> None:
     transformers builds the attention masks (and reads padding into them) from the cache's layers
     before any attention module runs, so the slots must already be paged when it does: a static
     cache's masks, for one, span its whole capacity, which a paged view does not. The hook goes on
-    every ancestor of a paged module whose forward takes a cache (the model and its base model).
+    every ancestor of a paged module whose forward takes a cache (the model and its base model),
+    but not on the blocks of a layer stack (members of a ``ModuleList`` / ``ModuleDict``): they
+    build no masks, their attention pages its slot when it writes, and a hook would cost every
+    block call of every step PyTorch's slow call path.
     """
     paths = [path for path, m in model.named_modules() if isinstance(m, PagedAttention)]
     ancestors = {""} | {path.rsplit(".", depth)[0] for path in paths for depth in range(1, path.count(".") + 1)}
+    stacks = (nn.ModuleList, nn.ModuleDict)
     for path in sorted(ancestors):
         module = model.get_submodule(path)
         if module in _hooks:
+            continue
+        parent = model.get_submodule(path.rpartition(".")[0]) if path else None
+        if isinstance(parent, stacks):
             continue
         try:
             names = inspect.signature(type(module).forward).parameters
@@ -546,16 +585,30 @@ def _install_pages_first(model: nn.Module) -> None:
         if not any(name in names for name in _CACHE_ARGUMENTS):
             continue
         attention = [m for m in module.modules() if isinstance(m, PagedAttention)]
+        # caches whose slots this hook paged already, with their layer count then (the hook runs
+        # before every forward, a decode step's too: looking at every slot again costs per layer)
+        done: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
-        def install(mod: nn.Module, args: tuple, kwargs: dict, attention: list = attention) -> None:
-            from transformers.cache_utils import Cache
-
+        def install(mod: nn.Module, args: tuple, kwargs: dict, attention: list = attention,
+                    done: "weakref.WeakKeyDictionary[Any, int]" = done) -> None:
             cache = next((kwargs[n] for n in _CACHE_ARGUMENTS if kwargs.get(n) is not None), None)
-            if isinstance(cache, Cache):
+            if isinstance(cache, _cache_classes()[0]):
+                layers = getattr(cache, "layers", None)
+                count = len(layers) if isinstance(layers, list) else -1
+                try:
+                    if done.get(cache) == count:
+                        return
+                except TypeError:  # a cache that takes no weak reference: look every time
+                    pass
                 for layer in attention:
                     index = getattr(layer, "layer_idx", None)
                     if isinstance(layer, PagedAttention) and isinstance(index, int):
                         paged_layer_of(cache, index, layer.block_size, layer.passes_window)
+                layers = getattr(cache, "layers", None)
+                try:
+                    done[cache] = len(layers) if isinstance(layers, list) else -1
+                except TypeError:
+                    pass
 
         _hooks[module] = module.register_forward_pre_hook(install, with_kwargs=True)
 

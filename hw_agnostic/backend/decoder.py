@@ -55,7 +55,8 @@ def install_fused_forward(layer: nn.Module, layout: DecoderLayout, signature_def
             hidden, rest = kwargs.pop(hidden_param), args
         else:
             hidden, rest = args[0], args[1:]
-        role = {name: getattr(self, child) for name, child in roles.items()}
+        children = self._modules  # the roles are direct children; read each call (verification may swap them)
+        role = {name: children[child] for name, child in roles.items()}
         h = role["attention"](hidden_states=role["input_norm"](hidden), **attention_kwargs(rest, kwargs))[0]
         if sandwich:
             h, residual = add_and_norm(role["pre_mlp_norm"], role["post_attention_norm"](h), hidden)

@@ -26,6 +26,10 @@ store, and the matrix instruction class (``tcgen05`` / ``wgmma`` / ``mma.sync`` 
   uses 128-bit global loads. A config with more threads than 16-byte pieces of its tile
   breaks this rule: its threads load narrower pieces.
 
+With ``compile=False`` the launches are only counted (:attr:`CompileLog.launches`), and with
+``run_reference=False`` too nothing computes: what remains of a call is its host work, which
+is how ``bench``'s decode-host suite measures the Python a decode step costs.
+
 Turn it on for a whole process with ``HW_AGNOSTIC_COMPILE_TARGETS=sm_80,sm_90,sm_100,gfx942,
 gfx1100`` (or ``all``), or for a block with :func:`compile_for`. Kernels must be generated
 outside the CPU interpreters: under ``TRITON_INTERPRET=1`` Helion's generated module references
@@ -34,6 +38,7 @@ interpreter-patched functions and does not compile.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -180,6 +185,8 @@ class CompileLog:
 
     def __init__(self) -> None:
         self._records: dict[tuple[Any, ...], CompileRecord] = {}
+        #: kernel name -> launches made while the mode was active (every launch, compiled or not)
+        self.launches: collections.Counter[str] = collections.Counter()
 
     def add(self, record: CompileRecord) -> None:
         self._records.setdefault(record.identity(), record)
@@ -217,6 +224,8 @@ class Mode:
     #: Whose tuned configs the ops look up (e.g. ``nvidia_h100``); None: the calling device's.
     #: Each target also gets its own compile-chosen defaults where that platform has no file.
     platform: str | None = None
+    #: False: launches are counted, not compiled (the host work of a call, without compiling).
+    compile: bool = True
 
 
 _modes: list[tuple[Mode, CompileLog]] = []
@@ -253,16 +262,17 @@ def process_log() -> CompileLog:
 
 @contextlib.contextmanager
 def compile_for(targets: str | Iterable[str] = ALL_TARGETS, *, run_reference: bool = True,
-                platform: str | None = None) -> Iterator[CompileLog]:
+                platform: str | None = None, compile: bool = True) -> Iterator[CompileLog]:
     """Compile every kernel launch inside the block for ``targets`` instead of running it.
 
     Each target compiles the config a GPU of it would launch: ``platform``'s tuned configs
     (``nvidia_h100``; by default the calling device's, on a CPU none), else the target's
-    compile-chosen defaults, else the kernel's built-in default.
+    compile-chosen defaults, else the kernel's built-in default. ``compile=False`` only counts
+    the launches (:attr:`CompileLog.launches`).
     """
     from .interpret import interpreter_mode
 
-    mode = Mode(parse_targets(targets), run_reference, platform)
+    mode = Mode(parse_targets(targets), run_reference, platform, compile)
     if interpreter_mode() is not None:
         raise RuntimeError(INTERPRETER_CONFLICT)
     compile_log = CompileLog()
@@ -326,6 +336,10 @@ class TargetLaunch:
         mode = active_mode()
         if mode is None:
             raise RuntimeError(f"{self.kernel}: a kernel built in compile-for-target mode was launched after it ended")
+        for _, compile_log in _modes:
+            compile_log.launches[self.kernel] += 1
+        if not mode.compile:
+            return
         args, options = _launch_arguments(args, options)
         launch = Launch(self.kernel, self.config, jit_fn, tuple(grid), args, options, self.memory_bound,
                         _op_label.get())

@@ -97,19 +97,26 @@ class PagedKVCache:
 
     def __init__(
         self, batch_size: int, num_kv_heads: int, head_dim: int, *, block_size: int = 16,
-        dtype: torch.dtype, device: torch.device | str,
+        dtype: torch.dtype, device: torch.device | str, share: Optional[StepShare] = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"PagedKVCache: block_size must be >= 1, got {block_size}")
         self.batch_size, self.num_kv_heads, self.head_dim = batch_size, num_kv_heads, head_dim
         self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
+        # The metadata this layer computes alike with the other layers of its model (see StepShare).
+        self.share = share if share is not None else StepShare()
         self.seen = 0  # positions seen per row, padding included (what Hugging Face counts)
-        # [B, seen] bool, which positions hold a real token; None while every position does
+        # [B, seen] bool, which positions hold a real token; None while every position does.
+        # Like kv_lens, never written in place: other layers may hold the same tensor.
         self.real: Optional[Tensor] = None
         self.blocks_per_row = 0
         self.k_pages = self.v_pages = self.block_table = None
-        self.kv_lens = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
+        self.kv_lens = self._zero_lengths()
         self._row_start: Optional[Tensor] = None
+
+    def _zero_lengths(self) -> Tensor:
+        return self.share.once(("zeros", self.batch_size, self.device),
+                               lambda: torch.zeros(self.batch_size, dtype=torch.int32, device=self.device))
 
     # -- storage -------------------------------------------------------------------------------
 
@@ -132,10 +139,15 @@ class PagedKVCache:
     def _layout(self, blocks_per_row: int) -> None:
         """Row ``b`` owns blocks ``b * blocks_per_row ...``: its block table row and first slot."""
         self.blocks_per_row = blocks_per_row
-        rows = torch.arange(self.batch_size, device=self.device, dtype=torch.int32)
-        columns = torch.arange(blocks_per_row, device=self.device, dtype=torch.int32)
-        self.block_table = rows[:, None] * blocks_per_row + columns
-        self._row_start = rows.long() * (blocks_per_row * self.block_size)
+        batch_size, block_size, device = self.batch_size, self.block_size, self.device
+
+        def layout() -> tuple[Tensor, Tensor]:
+            rows = torch.arange(batch_size, device=device, dtype=torch.int32)
+            columns = torch.arange(blocks_per_row, device=device, dtype=torch.int32)
+            return rows[:, None] * blocks_per_row + columns, rows.long() * (blocks_per_row * block_size)
+
+        self.block_table, self._row_start = self.share.once(
+            ("layout", batch_size, blocks_per_row, block_size, device), layout)
 
     def append(self, key: Tensor, value: Tensor, real: Optional[Tensor] = None) -> PagedBatch:
         """Write one step's ``key`` / ``value`` ``[B, q, Hkv, D]`` and return the batch to attend.
@@ -146,46 +158,19 @@ class PagedKVCache:
         if batch_size != self.batch_size:
             raise ValueError(f"PagedKVCache: a step of {batch_size} rows for a cache of {self.batch_size}")
         self._reserve(self.seen + q_len)
-        device = self.device
-        steps = torch.arange(q_len, device=device)
         assert self._row_start is not None and self.block_table is not None
-        if real is None:
-            # Every token is real: each row appends its q tokens after the ones it holds.
-            positions = (self.kv_lens[:, None] + steps).long()
-            slots = self._row_start[:, None] + positions
-            self.kv_lens += q_len
-            counts = None
-        else:
-            real = real.to(device=device, dtype=torch.bool)
-            rank = real.cumsum(1) - 1
-            positions = self.kv_lens[:, None].long() + rank
-            slots = torch.where(real, self._row_start[:, None] + positions, -1)
-            counts = real.sum(1, dtype=torch.int32)
-            self.kv_lens += counts
-        self._remember(real, q_len)
+        step = self.share.once(
+            ("append", self.kv_lens, self._row_start, real, q_len, self.real, self.seen),
+            lambda: _step_metadata(self.kv_lens, self._row_start, real, q_len, self.real, self.seen, self.device))
         write_kv_cache(
             key.reshape(batch_size * q_len, self.num_kv_heads, self.head_dim),
             value.reshape(batch_size * q_len, self.num_kv_heads, self.head_dim),
-            self.k_pages, self.v_pages, slots.reshape(-1),
+            self.k_pages, self.v_pages, step.slots,
         )
+        self.kv_lens, self.real = step.kv_lens, step.real
         self.seen += q_len
-        if counts is None:
-            cu = torch.arange(batch_size + 1, device=device, dtype=torch.int32) * q_len
-            order = None
-        else:
-            cu = torch.zeros(batch_size + 1, device=device, dtype=torch.int32)
-            cu[1:] = counts.cumsum(0)
-            order = torch.argsort((~real).reshape(-1).to(torch.int8), stable=True)
-        return PagedBatch(self.k_pages, self.v_pages, self.block_table, cu, self.kv_lens, q_len, self.seen, order)
-
-    def _remember(self, real: Optional[Tensor], q_len: int) -> None:
-        """Keep which positions are real once a step has padding (for crop and for reading back)."""
-        if real is None and self.real is None:
-            return
-        if self.real is None:
-            self.real = torch.ones(self.batch_size, self.seen, dtype=torch.bool, device=self.device)
-        step = real if real is not None else torch.ones(self.batch_size, q_len, dtype=torch.bool, device=self.device)
-        self.real = torch.cat([self.real, step], dim=1)
+        return PagedBatch(self.k_pages, self.v_pages, self.block_table, step.cu_seqlens_q, self.kv_lens, q_len,
+                          self.seen, step.query_order)
 
     @property
     def padded(self) -> bool:
@@ -220,9 +205,9 @@ class PagedKVCache:
     def select(self, index: Tensor) -> None:
         """Keep rows ``index`` (in that order; repeats allowed): a physical copy, so rows can diverge."""
         index = index.to(self.device)
-        self.kv_lens = self.kv_lens[index]
-        if self.real is not None:
-            self.real = self.real[index]
+        kv_lens, real = self.kv_lens, self.real
+        self.kv_lens, self.real = self.share.once(
+            ("select", kv_lens, real, index), lambda: (kv_lens[index], None if real is None else real[index]))
         if self.k_pages is not None:
             shape = (self.batch_size, self.blocks_per_row, *self.k_pages.shape[1:])
             self.k_pages = self.k_pages.view(shape)[index].flatten(0, 1)
@@ -232,24 +217,117 @@ class PagedKVCache:
             self._layout(self.blocks_per_row)
 
     def repeat_interleave(self, repeats: int) -> None:
-        self.select(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
+        batch_size, device = self.batch_size, self.device
+        self.select(self.share.once(("repeat", batch_size, repeats, device),
+                                    lambda: torch.arange(batch_size, device=device).repeat_interleave(repeats)))
 
     def crop(self, tokens: int) -> None:
         """Forget the last ``tokens`` positions (assisted and speculative decoding)."""
         tokens = min(tokens, self.seen)
         if tokens <= 0:
             return
-        self.seen -= tokens
-        if self.real is None:
-            self.kv_lens -= tokens
-        else:
-            self.kv_lens -= self.real[:, self.seen:].sum(1, dtype=torch.int32)
-            self.real = self.real[:, : self.seen]
+        seen = self.seen - tokens
+        kv_lens, real = self.kv_lens, self.real
+
+        def cropped() -> tuple[Tensor, Optional[Tensor]]:
+            if real is None:
+                return kv_lens - tokens, None
+            return kv_lens - real[:, seen:].sum(1, dtype=torch.int32), real[:, :seen]
+
+        self.kv_lens, self.real = self.share.once(("crop", kv_lens, real, seen, tokens), cropped)
+        self.seen = seen
 
     def reset(self) -> None:
         self.seen = 0
         self.real = None
-        self.kv_lens.zero_()
+        self.kv_lens = self._zero_lengths()
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMetadata:
+    """What appending one step computes besides the write: the same for every layer of a model."""
+
+    slots: Tensor  # [B * q] slot of each token, -1 for padding
+    kv_lens: Tensor  # each row's real tokens after the step
+    cu_seqlens_q: Tensor
+    query_order: Optional[Tensor]
+    real: Optional[Tensor]  # [B, seen + q] which positions are real, None while all are
+
+
+def _step_metadata(kv_lens: Tensor, row_start: Tensor, real: Optional[Tensor], q_len: int,
+                   seen_real: Optional[Tensor], seen: int, device: torch.device) -> StepMetadata:
+    batch_size = kv_lens.shape[0]
+    if real is None:
+        # Every token is real: each row appends its q tokens after the ones it holds.
+        steps = torch.arange(q_len, device=device)
+        slots = row_start[:, None] + (kv_lens[:, None] + steps)
+        cu = (torch.arange(0, (batch_size + 1) * q_len, q_len, device=device, dtype=torch.int32) if q_len
+              else torch.zeros(batch_size + 1, device=device, dtype=torch.int32))
+        lengths, order = kv_lens + q_len, None
+    else:
+        real = real.to(device=device, dtype=torch.bool)
+        rank = real.cumsum(1) - 1
+        slots = torch.where(real, row_start[:, None] + (kv_lens[:, None].long() + rank), -1)
+        counts = real.sum(1, dtype=torch.int32)
+        lengths = kv_lens + counts
+        cu = torch.zeros(batch_size + 1, device=device, dtype=torch.int32)
+        cu[1:] = counts.cumsum(0)
+        order = torch.argsort((~real).reshape(-1).to(torch.int8), stable=True)
+    # Which positions are real, kept once a step has padding (for crop and for reading back).
+    known = seen_real
+    if real is not None or known is not None:
+        if known is None:
+            known = torch.ones(batch_size, seen, dtype=torch.bool, device=device)
+        step = real if real is not None else torch.ones(batch_size, q_len, dtype=torch.bool, device=device)
+        known = torch.cat([known, step], dim=1)
+    return StepMetadata(slots.reshape(-1), lengths, cu, order, known)
+
+
+_SHARED_BY_VALUE = (int, float, str, bool, type(None), torch.device, torch.dtype)
+
+
+class StepShare:
+    """What the layers of one model compute alike, computed by the first layer that needs it.
+
+    The layers' :class:`PagedKVCache` of one transformers ``Cache`` hold one share. A step's
+    metadata (slots, lengths, query offsets, padding order, block layout) depends only on what
+    it is computed from: the lengths before the step, the step's length and padding, the layout.
+    Those inputs are the key: tensors by identity (a layer's lengths are the very tensor the
+    share handed every layer at the previous step, and nothing writes them in place), other
+    values by value. The last :attr:`KEPT` results are kept (holding their inputs, so no other
+    tensor can take an identity while its entry lives).
+    """
+
+    KEPT = 8
+
+    def __init__(self, *, versioned: bool = False) -> None:
+        self._entries: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = {}
+        self.computed = 0  # how many entries were computed (the rest were shared)
+        # Inputs that someone else owns and may refill in place (continuous batching's index
+        # buffers) are keyed on their version counter too; one without a counter (an inference
+        # tensor) is never shared.
+        self.versioned = versioned
+
+    def once(self, inputs: tuple[Any, ...], compute: Callable[[], Any], *, versioned: Optional[bool] = None) -> Any:
+        """``compute()``, or what it gave for the same inputs (``versioned``: as for the share)."""
+        if self.versioned if versioned is None else versioned:
+            # Not kept: inputs without a version counter (inference tensors), and inside a traced
+            # graph (which reads no counters; the graph computes its metadata as it goes).
+            if torch.compiler.is_compiling() or any(isinstance(x, Tensor) and x.is_inference() for x in inputs):
+                return compute()
+            key = tuple(x if isinstance(x, _SHARED_BY_VALUE) else
+                        (id(x), x._version) if isinstance(x, Tensor) else id(x) for x in inputs)
+        else:
+            key = tuple(x if isinstance(x, _SHARED_BY_VALUE) else id(x) for x in inputs)
+        found = self._entries.get(key)
+        if found is not None:
+            return found[1]
+        value = compute()
+        self.computed += 1
+        if len(self._entries) >= self.KEPT:
+            del self._entries[next(iter(self._entries))]
+        self._entries[key] = (inputs, value)
+        return value
 
 # --------------------------------------------------------------------------------------------
 # the layer
@@ -296,6 +374,11 @@ class _PagedState:
     # What the binding hands the attention function for the call in progress: the paged batch,
     # the transient pages of a forward without a cache, or None (the module's own attention).
     pending: Any = None
+    base_forward: Optional[Callable[..., Any]] = None  # the module's own class's forward
+    cache_names: tuple[str, ...] = ()  # every name a cache may arrive under
+
+    def __post_init__(self) -> None:
+        self.cache_names = tuple(dict.fromkeys((*_CACHE_NAMES, self.cache_name)))
 
 
 def _call_shape(forward: Callable[..., Any]) -> tuple[tuple[str, ...], str, bool]:
@@ -347,7 +430,7 @@ class PagedAttention(PluggableLayer):
         base = type(module)
         positional, cache_name, passes_window = _call_shape(base.forward)
         module.__dict__[_STATE] = _PagedState(bind_cache, attention_config, module.config, block_size, positional,
-                                              cache_name, passes_window)
+                                              cache_name, passes_window, base_forward=base.forward)
         module.__class__ = _paged_class(layer, base)
         module.config = attention_config
         return module
@@ -388,12 +471,15 @@ class PagedAttention(PluggableLayer):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state: _PagedState = self.__dict__[_STATE]
-        if len(args) > len(state.positional):
-            raise TypeError(f"{type(self).__name__}.forward takes {len(state.positional)} positional arguments")
-        arguments = dict(zip(state.positional, args))
-        arguments.update(kwargs)
+        if args:
+            if len(args) > len(state.positional):
+                raise TypeError(f"{type(self).__name__}.forward takes {len(state.positional)} positional arguments")
+            arguments = dict(zip(state.positional, args))
+            arguments.update(kwargs)
+        else:
+            arguments = kwargs
         cache = None
-        for name in (*_CACHE_NAMES, state.cache_name):
+        for name in state.cache_names:
             if name in arguments:
                 value = arguments.pop(name)
                 cache = value if cache is None else cache
@@ -406,7 +492,7 @@ class PagedAttention(PluggableLayer):
                 state.pending = TransientPages(state.block_size, arguments.get("attention_mask"))
         else:
             arguments[state.cache_name] = state.bind_cache(self, cache, arguments.get("attention_mask"), fallback)
-        return type(self)._hw_agnostic_base.forward(self, **arguments)
+        return state.base_forward(self, **arguments)
 
     def extra_repr(self) -> str:
         return f"paged, block_size={self.block_size}"
@@ -414,9 +500,17 @@ class PagedAttention(PluggableLayer):
 
 def recording_attentions() -> bool:
     """Whether transformers is recording attention weights in this forward (``output_attentions=True``)."""
+    collector = _attention_collector()
+    if collector is None:  # an older transformers: it asks the attention function for weights itself
+        return False
+    collected = collector.get()
+    return bool(collected) and "attentions" in collected
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_collector() -> Any:
     try:
         from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # an older transformers: it asks the attention function for weights itself
-        return False
-    collected = _active_collector.get()
-    return bool(collected) and "attentions" in collected
+    except ImportError:
+        return None
+    return _active_collector

@@ -174,7 +174,7 @@ def _layout(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, int,
     return low, high, tuple(dims)
 
 
-def _address_range(t: torch.Tensor) -> tuple[int, int] | None:
+def address_range(t: torch.Tensor) -> tuple[int, int] | None:
     """The bytes ``[start, end)`` that ``t``'s elements span, or None (empty, or no real memory)."""
     if type(t) is not torch.Tensor and isinstance(t, FakeTensor):  # tracing: no memory to compare
         return None
@@ -214,7 +214,7 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     ``buf[..., 1::2]``; the K and V halves of one ``[blocks, 2, ...]`` cache) are compared
     element by element, exactly; other layouts whose ranges meet count as overlapping.
     """
-    return _ranges_overlap(a, _address_range(a), b, _address_range(b))
+    return _ranges_overlap(a, address_range(a), b, address_range(b))
 
 
 def _ranges_overlap(a: torch.Tensor, span_a: tuple[int, int] | None, b: torch.Tensor,
@@ -239,7 +239,7 @@ def no_aliasing(op: str, written: tuple[tuple[str, torch.Tensor], ...],
     op writes them at data-dependent places) or reads (None: absent)."""
     for name, value in written:
         writable(op, name, value)
-    spans = [(name, value, _address_range(value)) for name, value in (*written, *read) if value is not None]
+    spans = [(name, value, address_range(value)) for name, value in (*written, *read) if value is not None]
     for i, (name, value, span) in enumerate(spans[: len(written)]):
         for other_name, other, other_span in spans[(i + 1 if among_written else len(written)):]:
             if _ranges_overlap(value, span, other, other_span):

@@ -467,7 +467,7 @@ class _AttentionLaunch:
 
     def __call__(self, *args: Any) -> Tensor:
         q = args[0]
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.zeros_like(q, memory_format=torch.contiguous_format)
         if q.shape[0] == 0 or args[5].shape[0] == 0 or args[10] == 0:
             return out  # no query rows to compute (an empty grid, which Helion's eager mode mishandles)
         launch_args = self._attention_args(*args, out=out)

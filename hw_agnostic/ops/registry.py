@@ -52,6 +52,7 @@ from ..autotune.platform import compile_target, platform_of
 from ..kernels import targets
 from ..kernels.interpret import interpreter_mode
 from ..kernels.runtime import KernelSpec
+from . import checks
 from .compiled_reference import CompiledReference
 
 log = logging.getLogger("hw_agnostic.ops")
@@ -245,7 +246,7 @@ class Op:
         try:
             signature = _signature(args, bool(self.mutates_args))
             plan = self._checked.get(signature)
-        except TypeError:  # an unhashable argument: no shortcut
+        except (TypeError, RuntimeError, NotImplementedError):  # unhashable, or a tensor without storage: no shortcut
             signature, plan = None, None
         if plan is None:
             self.check(*args)
@@ -379,7 +380,20 @@ class Op:
             launches.append((tuple(names), *built))
         reference_run = self.providers[-1].build(key, None, args) if mode.run_reference else None
         name = self.name
+        if not mode.compile and reference_run is None and len(launches) == 1:
+            # Launches only counted, nothing computed: the call is its host work, as on a GPU.
+            run = launches[0][1]
+        else:
+            run = self._target_run(name, launches, reference_run)
+        where = "; ".join(", ".join(names) + (f" (config {choice.config} from {choice.describe()})"
+                                               if len(launches) > 1 and choice is not None else "")
+                          for names, _, choice in launches)
+        done = "compiled for" if mode.compile else "launches counted for"
+        note = f"{done} {where}, " + ("results from the reference" if reference_run else "not run")
+        return (run, launches[0][2]), note
 
+    @staticmethod
+    def _target_run(name: str, launches: list, reference_run: Callable[..., Any] | None) -> Callable[..., Any]:
         def run(*call_args: Any) -> Any:
             result = None
             with targets.launched_by(name):
@@ -388,11 +402,7 @@ class Op:
                         result = kernel_run(*call_args)
             return result if reference_run is None else reference_run(*call_args)
 
-        where = "; ".join(", ".join(names) + (f" (config {choice.config} from {choice.describe()})"
-                                               if len(launches) > 1 and choice is not None else "")
-                          for names, _, choice in launches)
-        note = f"compiled for {where}, " + ("results from the reference" if reference_run else "not run")
-        return (run, launches[0][2]), note
+        return run
 
     def _config_for(self, provider: Provider, key: Any, args: tuple[Any, ...],
                     target: str | None = None) -> config_cache.ConfigChoice:
@@ -455,14 +465,31 @@ def _signature(args: tuple[Any, ...], storages: bool) -> tuple[Any, ...]:
     parts: list[Any] = []
     for arg in args:
         if isinstance(arg, torch.Tensor):
-            if storages:  # the in-place checks compare buffers
-                parts.append((arg.shape, arg.stride(), arg.dtype, arg.device, arg.untyped_storage().data_ptr(),
-                              arg.storage_offset()))
-            else:
-                parts.append((arg.shape, arg.stride(), arg.dtype, arg.device))
+            parts.append((arg.shape, arg.stride(), arg.dtype, arg.device))
         else:
             parts.append((type(arg), arg))  # 1, 1.0 and True are equal, but not the same argument
+    if storages:  # the in-place checks compare where the tensors lie
+        parts.append(_placement(args))
     return tuple(parts)
+
+
+def _placement(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Where the tensor arguments lie, as far as the in-place checks can tell: they compare places
+    only through overlap (:func:`.checks.overlap`), so the pairs of arguments whose storages'
+    address ranges meet, with their addresses, and nothing of a tensor whose storage meets no
+    other's (a decode step's fresh K/V written into the same caches keeps one signature)."""
+    spans = []
+    for i, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor):
+            storage = arg.untyped_storage()  # raises for tensors without storage: no shortcut then
+            start = storage.data_ptr()
+            spans.append((i, start, start + storage.nbytes(), arg))
+    meeting: list[Any] = []
+    for n, (i, start, end, arg) in enumerate(spans):
+        for j, other_start, other_end, other in spans[n + 1:]:
+            if start < other_end and other_start < end or start == other_start:
+                meeting.append((i, j, arg.data_ptr(), other.data_ptr()))
+    return tuple(meeting)
 
 
 def _register_reference_backward(custom: Any, reference: Callable[..., Any]) -> None:

@@ -155,6 +155,28 @@ def test_torch_compile_fullgraph_of_a_rewired_model():
     assert _relative(got, want) <= 1e-5
 
 
+def test_torch_compile_fullgraph_of_a_rewired_decode_step():
+    """Decode steps over a paged cache trace as one graph: the cache's host bookkeeping (lengths
+    seen, the metadata its layers share) is plain Python state that dynamo follows."""
+    from transformers import DynamicCache
+
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    rewire(model)
+    ours, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        model(prompt(), past_key_values=ours, use_cache=True)
+        reference(prompt(), past_key_values=theirs, use_cache=True)
+        for step in range(2):
+            ids = prompt(length=1, seed=10 + step)
+            got = compiled(ids, past_key_values=ours, use_cache=True).logits
+            want = reference(ids, past_key_values=theirs, use_cache=True).logits
+            assert _relative(got, want) <= 1e-5
+    assert ours.get_seq_length() == theirs.get_seq_length() == prompt().shape[1] + 2
+
+
 @pytest.mark.dsl
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_through_the_dsl_providers(family):

@@ -1,0 +1,106 @@
+"""A decode step's host work: its paged-cache metadata is computed once for every layer, and its
+launches can be counted without compiling or running anything (what ``bench``'s decode-host suite measures)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hw_agnostic import rewire
+from hw_agnostic.kernels import targets
+from hw_agnostic.layers import attention as paged
+from tests.backend.models import build, prompt
+from tests.test_attention_integration import padded_prompts
+
+NEW_TOKENS = 4
+#: the kernels one rewired Llama decoder layer launches (its norms, MLP, KV write and attention)
+LAYER_KERNELS = {"rms_norm": 1, "fused_add_rms_norm_row": 1, "gated_activation": 1, "write_kv_cache": 1,
+                 "paged_attention": 1}
+
+
+@pytest.fixture
+def metadata_calls(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    original = paged._step_metadata
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(paged, "_step_metadata", counted)
+    return calls
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_a_steps_metadata_is_computed_once_for_all_layers(metadata_calls, padded):
+    model = build("llama", num_hidden_layers=3)
+    reference = copy.deepcopy(model)
+    rewire(model)
+    ids, mask = padded_prompts(length=11) if padded else (prompt(), None)
+    options = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = reference.generate(ids, **options)
+        metadata_calls.clear()  # rewire's verification ran forwards too
+        got = model.generate(ids, **options)
+    assert torch.equal(got, want)
+    assert len(metadata_calls) == NEW_TOKENS  # one per forward (the prompt, then each new token), not per layer
+    lengths = {id(layer.self_attn.kv.kv_lens) for layer in model.model.layers}
+    assert len(lengths) == 1  # every layer holds the same lengths tensor
+
+
+def test_layers_sharing_lengths_crop_and_reorder_alike():
+    """Nothing writes the shared lengths in place: cropping or reordering the cache gives every layer
+    its own correct view, as transformers' cache would."""
+    model = build("llama", num_hidden_layers=2)
+    rewire(model)
+    ids, mask = padded_prompts(length=9)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    stores = [layer.self_attn.kv for layer in model.model.layers]
+    assert [s.kv_lens.tolist() for s in stores] == [[9, 6]] * 2
+    cache.crop(-2)
+    assert [s.kv_lens.tolist() for s in stores] == [[7, 4]] * 2
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert [s.kv_lens.tolist() for s in stores] == [[4, 7]] * 2
+    assert stores[0].kv_lens is stores[1].kv_lens
+
+
+def test_counting_launches_compiles_and_runs_nothing():
+    model = build("llama", num_hidden_layers=2)
+    rewire(model)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad(), targets.compile_for(["sm_90"], run_reference=False, compile=False) as log:
+        model(prompt(batch=1), past_key_values=cache, use_cache=True)
+        log.launches.clear()
+        model(prompt(batch=1, length=1), past_key_values=cache, use_cache=True)
+    assert not log.records  # nothing compiled
+    layers = model.config.num_hidden_layers
+    want = {name: count * layers for name, count in LAYER_KERNELS.items()}
+    want["rms_norm"] += 1  # the model's final norm
+    assert dict(log.launches) == want
+
+
+def test_a_versioned_share_recomputes_after_an_input_is_refilled_in_place():
+    """Continuous batching's index buffers belong to transformers, which may refill them between
+    forwards: what was computed from a buffer is shared only while the buffer is unchanged."""
+    share = paged.StepShare(versioned=True)
+    lengths = torch.tensor([0, 3, 5], dtype=torch.int32)
+
+    def differences():
+        return lengths[1:] - lengths[:-1]
+
+    first = share.once(("lengths", lengths), differences)
+    assert share.once(("lengths", lengths), differences) is first
+    lengths.copy_(torch.tensor([0, 4, 9], dtype=torch.int32))
+    assert share.once(("lengths", lengths), differences).tolist() == [4, 5]
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 1])  # an inference tensor: no version counter, so never shared
+        computed = share.computed
+        share.once(("lengths", frozen), lambda: frozen + 1)
+        share.once(("lengths", frozen), lambda: frozen + 1)
+        assert share.computed == computed
+
