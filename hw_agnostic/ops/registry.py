@@ -548,8 +548,14 @@ def compile_reference_enabled() -> bool:
     return os.environ.get(COMPILE_ENV, "1").lower() not in ("0", "false", "no", "off")
 
 
+#: Each op's compiled references. They survive :func:`reset` (configs and modes do not change
+#: what a reference computes, and recompiling costs seconds), unless it is asked to drop them.
+_compiled_references: list[dict[Any, Callable[..., Any]]] = []
+
+
 def _reference_provider(op: Op) -> Provider:
     compiled: dict[Any, Callable[..., Any]] = {}
+    _compiled_references.append(compiled)
 
     def build(key: Any, config: dict[str, Any] | None, args: tuple[Any, ...]) -> Callable[..., Any]:
         if not compile_reference_enabled() or key.device not in ("cpu", "cuda"):
@@ -602,11 +608,15 @@ def forced_provider(op_name: str) -> tuple[str, str] | None:
     return None
 
 
-def reset() -> None:
-    """Drop every cached plan (forcing, configs and environment are re-read on the next call)."""
+def reset(*, compiled_references: bool = False) -> None:
+    """Drop every cached plan (forcing, configs and environment are re-read on the next call), and
+    with ``compiled_references=True`` the compiled references too (they compile again when used)."""
     _ignored_overrides.clear()
     for op in _ops.values():
         op.reset()
+    if compiled_references:
+        for compiled in _compiled_references:
+            compiled.clear()
 
 
 config_cache.on_change(reset)
