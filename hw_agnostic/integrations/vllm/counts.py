@@ -85,12 +85,14 @@ def start_if_requested() -> Path | None:
     root.mkdir(parents=True, exist_ok=True)
     path = root / f"ops-{os.getpid()}.json"
     last: list[dict[str, Any] | None] = [None]
+    writing = threading.Lock()  # the flush thread and the exit hook write through one temporary file
 
     def flush() -> None:
-        data = snapshot()
-        if data != last[0]:
-            _write(path, data)
-            last[0] = data
+        with writing:
+            data = snapshot()
+            if data != last[0]:
+                _write(path, data)
+                last[0] = data
 
     def loop() -> None:
         while True:
