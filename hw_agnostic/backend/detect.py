@@ -94,6 +94,17 @@ def _projection_sizes(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
+def _one_widening_projection(linears: dict[str, nn.Linear]) -> bool:
+    """Exactly one linear widens ``hidden -> inter`` and one narrows ``inter -> hidden`` back."""
+    sizes = [(l.in_features, l.out_features) for l in linears.values()]
+    narrowing = [s for s in sizes if s[0] > s[1]]
+    if len(narrowing) != 1:
+        return False
+    inter, hidden = narrowing[0]
+    widening = [s for s in sizes if s[0] == hidden and s[1] in (inter, 2 * inter)]
+    return len(widening) == 1 and widening[0][1] == inter and len(sizes) == 2
+
+
 def looks_like_mlp(module: nn.Module) -> bool:
     """Worth reporting when not a gated MLP: projections that widen the hidden size and narrow it back."""
     sizes = [s for s in map(_projection_sizes, module.children()) if s is not None]
@@ -110,6 +121,11 @@ def detect_gated_mlp(module: nn.Module) -> MLPSpec | NotDetected | None:
         return None
     others = [name for name, c in module.named_children() if not isinstance(c, nn.Linear) and list(c.parameters())]
     besides = NotDetected(f"children other than linears hold parameters ({', '.join(others)})")
+    if others and _one_widening_projection(linears):
+        # A gate needs a second widening projection (or one of double width): fc2(act(fc1(x))),
+        # here written inline in a larger module (a decoder layer).
+        besides = NotDetected(f"one projection widens, none beside it gates: a plain MLP (inline, beside "
+                              f"{', '.join(others)})")
     try:
         graph = _ChildrenAsLeaves().trace(module)
     except Exception as err:

@@ -254,3 +254,27 @@ def test_gated_mlps_with_multipliers_and_dropout(dropout):
     layer.float().train()
     x = torch.randn(64, 16)
     assert not torch.equal(layer(x), layer.eval()(x))  # the dropout applies in training
+
+
+class InlineMLPLayer(nn.Module):
+    """A decoder layer with its MLP written inline (OPT's fc1/fc2 beside a norm)."""
+
+    def __init__(self, gated: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.fc1 = nn.Linear(8, 32)
+        self.fc2 = nn.Linear(32, 8)
+        if gated:
+            self.fc3 = nn.Linear(8, 32)
+
+    def forward(self, x, mask=None):
+        h = self.fc1(self.norm(x))
+        h = F.silu(h) * self.fc3(x) if hasattr(self, "fc3") else F.relu(h)
+        return x + self.fc2(h)
+
+
+def test_an_inline_plain_mlp_is_called_plain_and_an_inline_gated_one_is_not():
+    plain = detect_gated_mlp(InlineMLPLayer(gated=False))
+    assert isinstance(plain, NotDetected) and "a plain MLP" in plain.reason
+    gated = detect_gated_mlp(InlineMLPLayer(gated=True))
+    assert isinstance(gated, NotDetected) and "plain" not in gated.reason
