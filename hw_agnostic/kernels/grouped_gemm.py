@@ -98,7 +98,9 @@ def gemm_tiles(n: int, k: int, block_m: int) -> Config:
         return {"block_sizes": [min(next_power_of_2(n), 128), min(next_power_of_2(k), 128)], "num_warps": 4,
                 "num_stages": 1}
     block_n = min(next_power_of_2(n), 128 if block_m >= 32 else 64)
-    block_k = min(next_power_of_2(k), 64 if block_m >= 64 else 128)
+    # Two pipelined copies of a 32x128 A and a 128x128 B tile in bf16 need 80 KiB of shared memory,
+    # over AMD's 64 KiB LDS: 128-wide N tiles take 64-deep K tiles.
+    block_k = min(next_power_of_2(k), 64 if block_m >= 64 or block_n > 64 else 128)
     return {"block_sizes": [block_n, block_k], "num_warps": 8 if block_m * block_n >= 128 * 128 else 4,
             "num_stages": 3}
 
