@@ -79,11 +79,7 @@ def detect_rms_norm(module: nn.Module) -> NormSpec | NotDetected | None:
     numerics = _matching_numerics(module, weight_name, hidden, eps)
     if isinstance(numerics, NotDetected):
         return numerics
-    # The attribute holding eps; a trace may show it rounded to fp32 (torch's own decomposition does).
-    eps_attribute = next((name for name, value in vars(module).items()
-                          if isinstance(value, float) and (value == eps or _as_fp32(value) == eps)), None)
-    if eps_attribute is not None:
-        eps = float(getattr(module, eps_attribute))
+    eps, eps_attribute = _eps_attribute(module, eps)
     return NormSpec(hidden, eps, numerics, weight_name, eps_attribute)
 
 
@@ -125,17 +121,25 @@ def _traced_eps(module: nn.Module, weight_name: str | None, hidden: int) -> floa
             if not isinstance(eps, (int, float)):
                 return NotDetected("torch's rms_norm with eps=None: its eps depends on the input dtype")
             return float(eps)
-        if _is_inverse_sqrt(node):
-            added = node.args[0]
-            if not (isinstance(added, fx.Node) and added.target in (aten.add.Tensor, aten.add.Scalar, aten.add_.Scalar)):
-                continue
-            scalars = [a for a in added.args if isinstance(a, (int, float))]
-            tensors = [a for a in added.args if isinstance(a, fx.Node)]
-            if len(scalars) == 1 and len(tensors) == 1 and tensors[0].target is aten.mean.dim:
-                dims = tensors[0].args[1]
-                if list(dims) in ([-1], [2]):
-                    return float(scalars[0])
+        added = _added_eps(node)
+        if added is not None and added[1].target is aten.mean.dim and list(added[1].args[1]) in ([-1], [2]):
+            return added[0]
     return NotDetected("computes no rsqrt(mean(x**2, -1) + eps)")
+
+
+def _added_eps(node: fx.Node) -> tuple[float, fx.Node] | None:
+    """For an inverse square root of ``t + eps`` (one tensor, one number): ``(eps, t's node)``."""
+    aten = torch.ops.aten
+    if not _is_inverse_sqrt(node):
+        return None
+    added = node.args[0]
+    if not (isinstance(added, fx.Node) and added.target in (aten.add.Tensor, aten.add.Scalar, aten.add_.Scalar)):
+        return None
+    scalars = [a for a in added.args if isinstance(a, (int, float))]
+    tensors = [a for a in added.args if isinstance(a, fx.Node)]
+    if len(scalars) != 1 or len(tensors) != 1:
+        return None
+    return float(scalars[0]), tensors[0]
 
 
 def _is_inverse_sqrt(node: fx.Node) -> bool:
@@ -208,18 +212,12 @@ def _eps_candidates(run: Any, examples: tuple[Tensor, ...], module: nn.Module) -
             eps = node.args[index] if len(node.args) > index else node.kwargs.get("eps")
             if isinstance(eps, (int, float)):
                 found.append(float(eps))
-        elif _is_inverse_sqrt(node):
-            added = node.args[0]
-            if not (isinstance(added, fx.Node) and added.target in (aten.add.Tensor, aten.add.Scalar, aten.add_.Scalar)):
-                continue
-            scalars = [a for a in added.args if isinstance(a, (int, float))]
-            tensors = [a for a in added.args if isinstance(a, fx.Node)]
-            if len(scalars) == 1 and len(tensors) == 1:
-                source = tensors[0]
-                if source.target is aten.select.int or str(source.target).startswith("<built-in function getitem"):
-                    source = source.args[0]
-                if getattr(source, "target", None) in statistics:
-                    found.append(float(scalars[0]))
+        elif (added := _added_eps(node)) is not None:
+            eps, source = added
+            if source.target is aten.select.int or str(source.target).startswith("<built-in function getitem"):
+                source = source.args[0]  # var_mean's variance
+            if getattr(source, "target", None) in statistics:
+                found.append(eps)
     for value in _float_attributes(module):
         found += [value, _as_fp32(value)]
     return list(dict.fromkeys(found))
