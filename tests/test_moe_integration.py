@@ -181,11 +181,17 @@ def test_unknown_routers_and_experts_are_left_with_a_reason():
     experts._apply_gate = lambda x: torch.relu(x.chunk(2, dim=-1)[0]) * x.chunk(2, dim=-1)[1]  # a ReLU-gated MoE
     router = model.model.layers[1].mlp.gate
     hf_router = type(router)
-    router.__class__ = type("CustomRouter", (hf_router,), {"forward": lambda self, h: hf_router.forward(self, h)})
+
+    def squared_logits(self, hidden):  # ranks experts by logit squared: no moe_route form computes it
+        logits = torch.nn.functional.linear(hidden, self.weight)
+        weights, ids = (logits * logits).softmax(-1).topk(self.top_k, dim=-1)
+        return logits, weights, ids
+
+    router.__class__ = type("CustomRouter", (hf_router,), {"forward": squared_logits})
     report = enable_fused_experts(model)
     left = {e.path: e.detail for e in report.left}
     assert "_apply_gate is none of" in left["model.layers.0.mlp.experts"]
-    assert "none of the families" in left["model.layers.1.mlp.gate"]
+    assert "none of moe_route's forms reproduces" in left["model.layers.1.mlp.gate"]
     assert report.count(f"experts_implementation={EXPERTS_IMPLEMENTATION!r}") == 1
     ids = prompt()
     with torch.no_grad(), ops.trace_dispatch() as ran:

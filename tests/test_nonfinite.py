@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from hw_agnostic import ops
 from hw_agnostic.ops.moe_align import moe_align_op
-from hw_agnostic.ops.moe_route import moe_route_op
+from hw_agnostic.ops.moe_route import SCORINGS, moe_route_op
 from hw_agnostic.ops.paged_attention import example_paged_batch, paged_attention_op
 from hw_agnostic.ops.registry import all_ops
 from hw_agnostic.tolerances import assert_close
@@ -114,7 +114,7 @@ def _route_logits(g: torch.Generator, experts: int) -> torch.Tensor:
 
 ROUTINGS = [
     ("softmax", False, 1, 1), ("softmax", True, 1, 1), ("sigmoid", True, 1, 1), ("topk_then_softmax", False, 1, 1),
-    ("sigmoid", True, 4, 2), ("sigmoid", True, 8, 3),
+    ("topk_then_sigmoid", True, 1, 1), ("sigmoid", True, 4, 2), ("sigmoid", True, 8, 3),
 ]
 
 
@@ -123,7 +123,7 @@ def route_case(scoring, renormalize, n_group, topk_group):
 
     def make():
         g = seeded_generator(name)
-        bias = 0.1 * torch.randn(8, generator=g) if scoring == "sigmoid" else None
+        bias = 0.1 * torch.randn(8, generator=g) if "sigmoid" in scoring else None
         if bias is not None:
             bias[6] = NAN
         return _route_logits(g, 8), bias, 3, scoring, renormalize, n_group, topk_group, 2.5
@@ -155,7 +155,7 @@ def test_route_kernels_pick_the_references_ids(case, device):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(values=st.lists(st.sampled_from([NAN, INF, -INF, 0.0, 1.0, -1.0, 3.0]), min_size=24, max_size=24),
-       scoring=st.sampled_from(["softmax", "sigmoid", "topk_then_softmax"]), top_k=st.integers(1, 6))
+       scoring=st.sampled_from(list(SCORINGS)), top_k=st.integers(1, 6))
 def test_route_ids_stay_in_range_on_any_logits(values, scoring, top_k):
     logits = torch.tensor(values).view(4, 6)
     paths = ["reference"]

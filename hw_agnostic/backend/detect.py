@@ -117,6 +117,10 @@ def detect_gated_mlp(module: nn.Module) -> MLPSpec | NotDetected | None:
     linears = _linear_children(module)
     if not (2 <= len(linears) <= 3):
         if looks_like_mlp(module):
+            sizes = [s for s in map(_projection_sizes, module.children()) if s is not None]
+            if len(sizes) == 2 and sorted(sizes) == sorted([sizes[0], sizes[0][::-1]]):
+                return NotDetected("one projection widens, one narrows back: a plain MLP (GPT-2's Conv1D "
+                                   "projections), no gate for an op of ours")
             return NotDetected("its projections are not nn.Linear (e.g. GPT-2's Conv1D): not served")
         return None
     others = [name for name, c in module.named_children() if not isinstance(c, nn.Linear) and list(c.parameters())]

@@ -12,13 +12,9 @@
    gpt-oss's clamped SwiGLU is recognised as what it computes, not by its class name). A module
    we cannot run (no gate, a post-expert norm, a gate we do not know, quantised weights) keeps
    transformers' ``grouped_mm`` path and is listed as left, with the reason.
-2. **Routers.** A router module whose ``forward`` is the code of a router family we implement
-   (compared as source text with that family's reference class, so the dozens of copies
-   transformers generates for other models are recognised too) has its class switched to a
-   subclass whose ``forward`` computes the same outputs with ``moe_route``: the module keeps its
-   parameters, buffers and hooks, and ``isinstance`` still holds, so transformers' router-logit
-   recording sees it. When the weights are real, each switched router is run against its own
-   original forward first and kept only if the ids are identical and the weights agree.
+2. **Routers.** A router module whose routing ``moe_route`` computes (recognised by its code or
+   by what it computes, see :mod:`.routers`) has its class switched to a subclass whose
+   ``forward`` computes the same outputs with ``moe_route``.
 
 Both paths fall back to transformers' own code while autograd needs gradients (training): the
 ops have no backward. :func:`disable_fused_experts` undoes both.
@@ -30,34 +26,27 @@ MoE block (sharing its parameters), for a backend or plugin that replaces whole 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
-import inspect
 import logging
-import textwrap
 import weakref
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ..layers.base import resolve
-from ..layers.moe import MoE, RoutingSpec, route
+from ..layers.moe import MoE
 from ..ops import checks
 from ..ops.fused_experts import fused_experts, gated_reference
 from ..tolerances import mismatch
 from .changes import Change
 from .detect import NotDetected
 from .report import RewireReport
+from .routers import DENSE, is_router, needs_autograd, restore_routers, router_form, switch_router
 
 log = logging.getLogger(__name__)
 
 EXPERTS_IMPLEMENTATION = "hw_agnostic"
-
-
-def _needs_autograd(*tensors: Optional[Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 # --------------------------------------------------------------------------------------------
@@ -154,7 +143,7 @@ def hw_agnostic_experts_forward(module: nn.Module, hidden_states: Tensor, top_k_
     """The ``ExpertsInterface`` implementation: ``fused_experts`` on the module's own weights."""
     spec = detect_experts(module)
     if (module in _declined or isinstance(spec, NotDetected)
-            or _needs_autograd(hidden_states, top_k_weights, module.gate_up_proj)):
+            or needs_autograd(hidden_states, top_k_weights, module.gate_up_proj)):
         return _model_implementation(module)(module, hidden_states, top_k_index, top_k_weights)
     dtype = module.gate_up_proj.dtype  # transformers casts the input to the weights' dtype too
     out = fused_experts(
@@ -172,134 +161,6 @@ def register_experts_implementation() -> None:
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, hw_agnostic_experts_forward)
-
-
-# --------------------------------------------------------------------------------------------
-# routers
-
-
-@dataclasses.dataclass(frozen=True)
-class RouterForm:
-    """A family's router ``forward``: the class whose source defines it, and how to read it."""
-
-    name: str
-    anchor: str  # "module:Class"
-    spec: Callable[[nn.Module], RoutingSpec]
-    bias: Callable[[nn.Module], Optional[Tensor]] = lambda m: None
-    correction_bias: Callable[[nn.Module], Optional[Tensor]] = lambda m: None
-    keeps_leading_dims: bool = False  # the forward does not flatten its input to [T, H]
-
-
-_MODELS = "transformers.models"
-ROUTER_FORMS: tuple[RouterForm, ...] = (
-    RouterForm(  # Qwen2/3-MoE, OLMoE, FlexOlmo, Qwen3-Next, ...
-        "softmax_topk", f"{_MODELS}.qwen3_moe.modeling_qwen3_moe:Qwen3MoeTopKRouter",
-        lambda m: RoutingSpec(m.top_k, "softmax", bool(m.norm_topk_prob), weights_dtype="logits"),
-    ),
-    RouterForm(  # Qwen3-VL-MoE, Qwen3.5-MoE: always renormalised
-        "softmax_topk_renormalized", f"{_MODELS}.qwen3_vl_moe.modeling_qwen3_vl_moe:Qwen3VLMoeTextTopKRouter",
-        lambda m: RoutingSpec(m.top_k, "softmax", True, weights_dtype="logits"),
-    ),
-    RouterForm(  # Mixtral, MiniMax: renormalised, fp32 weights
-        "mixtral", f"{_MODELS}.mixtral.modeling_mixtral:MixtralTopKRouter",
-        lambda m: RoutingSpec(m.top_k, "softmax", True, weights_dtype="fp32"),
-    ),
-    RouterForm(  # DeepSeek-V3, GLM-4-MoE, Dots1, ...: sigmoid, correction bias, groups
-        "deepseek_v3", f"{_MODELS}.deepseek_v3.modeling_deepseek_v3:DeepseekV3TopkRouter",
-        lambda m: RoutingSpec(m.top_k, "sigmoid", bool(m.norm_topk_prob), int(m.num_group), int(m.topk_group),
-                              float(m.routed_scaling_factor), logits="fp32_inputs", weights_dtype="fp32"),
-        correction_bias=lambda m: m.e_score_correction_bias,
-    ),
-    RouterForm(  # gpt-oss: biased logits, top-k then softmax
-        "gpt_oss", f"{_MODELS}.gpt_oss.modeling_gpt_oss:GptOssTopKRouter",
-        lambda m: RoutingSpec(m.top_k, "topk_then_softmax", weights_dtype="logits"),
-        bias=lambda m: m.bias, keeps_leading_dims=True,
-    ),
-    RouterForm(  # Granite-MoE (all variants): fp32 logits, top-k then softmax, weights in the hidden dtype
-        "granite_moe", f"{_MODELS}.granitemoe.modeling_granitemoe:GraniteMoeTopKRouter",
-        lambda m: RoutingSpec(m.top_k, "topk_then_softmax", logits="fp32_outputs", weights_dtype="hidden"),
-        keeps_leading_dims=True,
-    ),
-)
-
-
-@functools.lru_cache(maxsize=None)
-def _forward_source(cls: type) -> str | None:
-    try:
-        return textwrap.dedent(inspect.getsource(cls.forward)).strip()
-    except (OSError, TypeError, AttributeError):
-        return None
-
-
-@functools.lru_cache(maxsize=None)
-def _anchor_source(anchor: str) -> str | None:
-    module_name, _, class_name = anchor.partition(":")
-    try:
-        return _forward_source(getattr(importlib.import_module(module_name), class_name))
-    except Exception:  # a transformers without that model
-        return None
-
-
-def router_form(module: nn.Module) -> RouterForm | None:
-    """The family whose router code ``module`` runs, if we implement it."""
-    cls = getattr(type(module), "_hw_agnostic_base", type(module))
-    if not isinstance(getattr(module, "weight", None), Tensor) or not hasattr(module, "top_k"):
-        return None
-    source = _forward_source(cls)
-    if source is None:
-        return None
-    return next((form for form in ROUTER_FORMS if _anchor_source(form.anchor) == source), None)
-
-
-def _routed_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    form: RouterForm = type(self)._hw_agnostic_form
-    bias = form.bias(self)
-    if _needs_autograd(hidden_states, self.weight, bias):
-        return type(self)._hw_agnostic_base.forward(self, hidden_states)
-    logits, weights, ids = route(form.spec(self), hidden_states, self.weight, bias, form.correction_bias(self))
-    if form.keeps_leading_dims:
-        lead = hidden_states.shape[:-1]
-        logits, weights, ids = logits.view(*lead, -1), weights.view(*lead, -1), ids.view(*lead, -1)
-    return logits, weights, ids
-
-
-@functools.lru_cache(maxsize=None)
-def _routed_class(cls: type, form: RouterForm) -> type:
-    return type(f"HwAgnostic{cls.__name__}", (cls,), {
-        "forward": _routed_forward, "_hw_agnostic_form": form, "_hw_agnostic_base": cls, "__module__": __name__,
-        "__doc__": f"{cls.__name__} computing its routing with hw_agnostic's moe_route ({form.name} form).",
-    })
-
-
-def _router_disagreement(module: nn.Module, routed_class: type) -> str | None:
-    """Run the switched router against the module's own forward on random tokens."""
-    weight = module.weight
-    if weight.is_meta:
-        return None
-    generator = torch.Generator().manual_seed(weight.shape[-1])
-    hidden = torch.randn(13, weight.shape[-1], generator=generator).to(weight.device, weight.dtype)
-    base = type(module)
-    with torch.no_grad():
-        want = base.forward(module, hidden)
-        module.__class__ = routed_class
-        try:
-            got = module(hidden)
-        finally:
-            module.__class__ = base
-    if not isinstance(want, tuple) or len(want) != 3:
-        return "its forward does not return (logits, weights, ids)"
-    (want_logits, want_weights, want_ids), (logits, weights, ids) = want, got
-    if want_ids.shape != ids.shape or not torch.equal(want_ids.sort(-1).values.to(ids.dtype), ids.sort(-1).values):
-        return "chose different experts"
-    order, want_order = ids.argsort(-1), want_ids.argsort(-1)  # a family's top-k may come unsorted
-    for name, a, b in (("logits", logits, want_logits),
-                       ("weights", weights.gather(-1, order), want_weights.gather(-1, want_order))):
-        if a.dtype != b.dtype:
-            return f"{name} in {a.dtype} instead of {b.dtype}"
-        problem = mismatch(a, b.double(), b.dtype)
-        if problem:
-            return f"{name} differ: {problem}"
-    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -348,8 +209,8 @@ def experts_changes(model: nn.Module, *, routing: bool = True, verify: bool = Tr
                 f"{spec.describe()}, {experts} experts",
                 (lambda m=module: _declined.discard(m)), (lambda m=module: _declined.add(m)),
             ))
-        elif routing and isinstance(getattr(module, "weight", None), Tensor) and hasattr(module, "top_k"):
-            change = _switch_router(path, module, report, verify)
+        elif routing and is_router(module):
+            change = switch_router(path, module, report, verify)
             if change is not None:
                 changes.append(change)
     if selected:
@@ -373,39 +234,9 @@ def enable_fused_experts(
     return report
 
 
-def _switch_router(path: str, module: nn.Module, report: RewireReport, verify: bool) -> Change | None:
-    if hasattr(type(module), "_hw_agnostic_form"):
-        return None  # switched already
-    form = router_form(module)
-    if form is None:
-        report.add("left", path, module, detail="router code is none of the families moe_route implements")
-        return None
-    base = type(module)
-    routed = _routed_class(base, form)
-    problem = _router_disagreement(module, routed) if verify else None
-    if problem is not None:
-        report.add("left", path, module, detail=f"moe_route disagreed with this router: {problem}")
-        return None
-    module.__class__ = routed
-    spec = form.spec(module)
-    detail = (f"moe_route {spec.scoring}, top-{spec.top_k}" + (", renormalized" if spec.renormalize else "")
-              + (f", groups {spec.topk_group}/{spec.n_group}" if spec.n_group > 1 else ""))
-
-    def apply() -> None:
-        module.__class__ = routed
-
-    def undo() -> None:
-        module.__class__ = base
-
-    return Change("router", path, base.__name__, routed.__name__, detail, apply, undo)
-
-
 def disable_fused_experts(model: nn.Module) -> None:
     """Undo :func:`enable_fused_experts`: transformers' routers and experts implementation again."""
-    for module in model.modules():
-        base = getattr(type(module), "_hw_agnostic_base", None)
-        if base is not None and hasattr(type(module), "_hw_agnostic_form"):
-            module.__class__ = base
+    restore_routers(model)
     previous = _previous_implementation.pop(model, None)
     if previous is not None:
         model.set_experts_implementation(previous)
@@ -429,7 +260,10 @@ def moe_layer_from_hf(block: nn.Module) -> MoE | NotDetected:
         return NotDetected("not a sparse MoE block (no gate/router and HF experts children)")
     form = router_form(router)
     if form is None:
-        return NotDetected("router code is none of the families moe_route implements")
+        return NotDetected("routing none of moe_route's forms reproduces")
+    if form.bias_argument or form.output == DENSE:
+        return NotDetected("the router takes its correction bias from the block or returns dense scores: "
+                           "the MoE layer's router has neither")
     spec = detect_experts(experts)
     if isinstance(spec, NotDetected):
         return spec
@@ -482,5 +316,4 @@ __all__ = [
     "is_hf_experts",
     "moe_layer_from_hf",
     "register_experts_implementation",
-    "router_form",
 ]

@@ -25,7 +25,7 @@ except Exception:  # Helion missing or broken: the ops fall back to other provid
 
 #: Values of the ``scoring`` constexpr. Kernels compare constexprs with literals: Helion folds
 #: those at compile time, but passes module-level constants in as runtime arguments.
-SCORINGS = ("softmax", "sigmoid", "topk_then_softmax")
+SCORINGS = ("softmax", "sigmoid", "topk_then_softmax", "topk_then_sigmoid")
 
 _constexpr: Any = hl.constexpr if hl is not None else int
 
@@ -105,6 +105,8 @@ def _route(
             top_weight = torch.where(slot[None, :] < top_k, top_weight, float("-inf"))
             exp = torch.exp(top_weight - torch.amax(top_weight, dim=1, keepdim=True))
             top_weight = exp / torch.sum(exp, dim=1, keepdim=True)
+        if scoring == "topk_then_sigmoid":
+            top_weight = torch.sigmoid(top_weight)
         if renormalize:
             total = torch.sum(torch.where(slot[None, :] < top_k, top_weight, 0.0), dim=1, keepdim=True)
             if scoring == "sigmoid":

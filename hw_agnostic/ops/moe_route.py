@@ -1,7 +1,8 @@
 """``moe_route``: router logits ``[T, E]`` -> ``(weights [T, K] fp32, ids [T, K] int64)``.
 
 Softmax then top-k (Qwen, Mixtral, OLMoE), sigmoid with correction bias and group-limited top-k
-(DeepSeek-V3), or top-k then softmax (gpt-oss); optional renormalisation and scaling factor.
+(DeepSeek-V3), top-k of the logits then softmax (gpt-oss) or sigmoid (Llama-4, Kolibri); optional
+renormalisation and scaling factor.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def moe_route_reference(
     weights = scores.gather(1, ids)
     if scoring == "topk_then_softmax":
         weights = torch.softmax(weights, dim=-1)
+    elif scoring == "topk_then_sigmoid":
+        weights = torch.sigmoid(weights)
     if renormalize:
         total = weights.sum(dim=-1, keepdim=True)
         weights = weights / (total + 1e-20 if scoring == "sigmoid" else total)
@@ -248,8 +251,9 @@ def moe_route(
         top_k: experts per token, ``1 <= top_k <= E``.
         scoring: ``"softmax"`` (softmax over all experts, then top-k: Qwen-MoE, Mixtral, OLMoE),
             ``"sigmoid"`` (DeepSeek-V3: sigmoid scores, chosen by ``score + correction_bias``,
-            weighted by the unbiased score) or ``"topk_then_softmax"`` (gpt-oss, Granite-MoE:
-            top-k of the logits, softmax over those k).
+            weighted by the unbiased score), ``"topk_then_softmax"`` (gpt-oss, Granite-MoE:
+            top-k of the logits, softmax over those k) or ``"topk_then_sigmoid"`` (Llama-4,
+            Kolibri: top-k of the (biased) logits, each weighted by the sigmoid of its logit).
         renormalize: divide the k weights by their sum (DeepSeek-V3 adds 1e-20 to the sum).
         correction_bias: ``[E]``, added to the scores only to choose experts.
         n_group, topk_group: DeepSeek-V3's group-limited routing: experts form ``n_group``

@@ -278,3 +278,22 @@ def test_an_inline_plain_mlp_is_called_plain_and_an_inline_gated_one_is_not():
     assert isinstance(plain, NotDetected) and "a plain MLP" in plain.reason
     gated = detect_gated_mlp(InlineMLPLayer(gated=True))
     assert isinstance(gated, NotDetected) and "plain" not in gated.reason
+
+
+def test_conv1d_projections_are_a_plain_mlp_or_not_served():
+    from transformers.pytorch_utils import Conv1D
+
+    class ConvMLP(nn.Module):
+        def __init__(self, gated: bool) -> None:
+            super().__init__()
+            self.c_fc, self.c_proj = Conv1D(32, 8), Conv1D(8, 32)  # Conv1D(out, in)
+            self.c_gate = Conv1D(32, 8) if gated else None
+
+        def forward(self, x):
+            h = F.gelu(self.c_fc(x))
+            return self.c_proj(h * self.c_gate(x) if self.c_gate is not None else h)
+
+    plain = detect_gated_mlp(ConvMLP(gated=False))
+    assert isinstance(plain, NotDetected) and "a plain MLP" in plain.reason and "Conv1D" in plain.reason
+    gated = detect_gated_mlp(ConvMLP(gated=True))
+    assert isinstance(gated, NotDetected) and "not served" in gated.reason and "plain" not in gated.reason

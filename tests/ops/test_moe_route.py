@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hw_agnostic import ops
-from hw_agnostic.ops.moe_route import moe_route_op
+from hw_agnostic.ops.moe_route import SCORINGS, moe_route_op
 from tests.harness import Case, check_provider, dsl_providers, fuzz_examples, seeded_generator
 from tests.ops.moe_cases import IGNORE_MASKED_ROW_WARNINGS, dtype_name
 
@@ -59,6 +59,9 @@ ROUTE_CASES = [
     route_case(5, 8, 3, torch.bfloat16, scoring="sigmoid", renormalize=True, bias=True, n_group=4, topk_group=2,
                factor=2.5, config=ROUTE_SMALL),  # two experts per group
     route_case(8, 11, 4, torch.bfloat16, scoring="topk_then_softmax"),  # gpt-oss
+    route_case(6, 9, 2, torch.float32, scoring="topk_then_sigmoid", renormalize=True, bias=True),  # Kolibri
+    route_case(5, 16, 1, torch.bfloat16, scoring="topk_then_sigmoid"),  # Llama-4
+    route_case(7, 6, 2, torch.float32, renormalize=True, bias=True),  # ERNIE-4.5: softmax, biased choice
     route_case(0, 7, 2, torch.float32, renormalize=True),
 ]
 
@@ -73,7 +76,7 @@ def test_moe_route_dsl(provider, case, device):
 @st.composite
 def routings(draw) -> dict:
     """A valid moe_route call of any routing family: scoring, groups, top-k within what they allow."""
-    scoring = draw(st.sampled_from(["softmax", "sigmoid", "topk_then_softmax"]))
+    scoring = draw(st.sampled_from(list(SCORINGS)))
     experts = draw(st.integers(1, 24))
     n_group = topk_group = 1
     divisors = [d for d in (2, 4, 8) if experts % d == 0 and experts > d]
@@ -83,7 +86,7 @@ def routings(draw) -> dict:
     top_k = draw(st.integers(1, min(8, topk_group * experts // n_group)))
     return dict(tokens=draw(st.integers(0, 20)), experts=experts, top_k=top_k,
                 dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])), scoring=scoring,
-                renormalize=draw(st.booleans()), bias=scoring == "sigmoid" and draw(st.booleans()), n_group=n_group,
+                renormalize=draw(st.booleans()), bias=scoring != "topk_then_softmax" and draw(st.booleans()), n_group=n_group,
                 topk_group=topk_group, factor=draw(st.sampled_from([1.0, 2.5])),
                 config=draw(st.sampled_from([None, ROUTE_SMALL])))
 
