@@ -164,7 +164,7 @@ def _replacement(parent: nn.Module, name: str, path: str, module: nn.Module, rep
         if isinstance(spec, NotDetected):
             reasons.append(spec.reason)
         elif spec is not None:
-            new = build(module, spec)
+            new = build(module, spec).train(module.training)
             problem = _disagreement(module, new, gated=isinstance(spec, GatedNormSpec)) if verify else None
             if problem is not None:
                 report.add("left", path, module, detail=f"replacement disagreed: {problem}")
@@ -176,7 +176,7 @@ def _replacement(parent: nn.Module, name: str, path: str, module: nn.Module, rep
         return None
     mlp = detect_gated_mlp(module)
     if isinstance(mlp, MLPSpec):
-        new = build_mlp(module, mlp)
+        new = build_mlp(module, mlp).train(module.training)  # a fresh module is in training mode
         problem = _disagreement(module, new) if verify else None
         if problem is not None:
             report.add("left", path, module, detail=f"replacement disagreed: {problem}")

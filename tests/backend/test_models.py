@@ -193,3 +193,22 @@ def test_through_the_dsl_providers(family):
     with torch.no_grad():
         assert _relative(got, reference(ids).logits) <= 1e-5
     assert_close(got[0, -1], reference(ids).logits[0, -1].detach().double(), torch.float32)
+
+
+def test_an_mlp_with_dropout_is_replaced_in_eval_and_drops_out_in_training():
+    """SeedOss's MLP ends in a functional dropout: identity in eval, where the replacement is checked."""
+    from hw_agnostic.layers import GatedMLP
+    from tests.zoo.families import build as build_zoo
+
+    model = build_zoo("seed_oss")
+    reference = copy.deepcopy(model)
+    report = rewire(model)
+    mlps = [m for m in model.modules() if isinstance(m, GatedMLP)]
+    assert mlps and all(m.dropout == model.config.residual_dropout and not m.training for m in mlps), report.table()
+    ids = torch.randint(3, 200, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert _relative(model(ids).logits, reference(ids).logits) <= 1e-5
+    mlps[0].train()
+    x = torch.randn(4, 64, model.config.hidden_size)
+    with torch.no_grad():
+        assert (mlps[0](x) == 0).float().mean() > 0.05  # training drops out as the original does
