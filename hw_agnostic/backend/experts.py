@@ -42,7 +42,7 @@ from ..tolerances import mismatch
 from .changes import Change
 from .detect import NotDetected
 from .report import RewireReport
-from .routers import DENSE, is_router, needs_autograd, restore_routers, router_form, switch_router
+from .routers import DENSE, is_router, looks_like_router, needs_autograd, restore_routers, router_form, switch_router
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,12 @@ class ExpertsSpec:
 def is_hf_experts(module: nn.Module) -> bool:
     """A module transformers' ``@use_experts_implementation`` decorated (it sets these attributes)."""
     return all(hasattr(module, name) for name in ("has_gate", "is_transposed", "has_bias", "down_proj"))
+
+
+def looks_like_experts(module: nn.Module) -> bool:
+    """Experts we do not serve: an ``*Expert*`` module holding stacked ``[E, ., .]`` weights."""
+    stacked = [p for p in module.parameters(recurse=False) if p.dim() == 3 and p.shape[0] > 1]
+    return bool(stacked) and "expert" in type(module).__name__.lower() and not is_hf_experts(module)
 
 
 def _gate_candidates(module: nn.Module) -> list[tuple[str, bool, float, float]]:
@@ -213,6 +219,12 @@ def experts_changes(model: nn.Module, *, routing: bool = True, verify: bool = Tr
             change = switch_router(path, module, report, verify)
             if change is not None:
                 changes.append(change)
+        elif routing and looks_like_router(module):
+            report.add("left", path, module, detail="a router whose logits are not one linear projection of the "
+                                                    "hidden states: not served")
+        elif looks_like_experts(module):
+            report.add("left", path, module, detail="experts outside transformers' @use_experts_implementation "
+                                                    "(no stacked gate_up_proj / down_proj it dispatches): not served")
     if selected:
         _select_implementation(model, selected)
     return changes
@@ -268,7 +280,8 @@ def moe_layer_from_hf(block: nn.Module) -> MoE | NotDetected:
     if isinstance(spec, NotDetected):
         return spec
     routing = form.spec(router)
-    weight, bias, correction = router.weight, form.bias(router), form.correction_bias(router)
+    weight, bias, correction = form.weight(router), form.bias(router), form.correction_bias(router)
+    correction = None if correction is None else correction.reshape(-1)  # ERNIE keeps it as [1, E]
     num_experts, hidden = weight.shape
     inter = experts.down_proj.shape[1] if spec.transposed else experts.down_proj.shape[2]
     new_router = resolve("moe_router")(hidden, num_experts, routing, bias=bias is not None,

@@ -72,7 +72,7 @@ class _Attribute:
         value: Any = module
         for part in self.path.split("."):
             value = getattr(value, part, None)
-        return value.reshape(-1) if isinstance(value, Tensor) else None
+        return value if isinstance(value, Tensor) else None
 
 
 def _none(module: nn.Module) -> None:
@@ -86,6 +86,7 @@ class RouterForm:
     name: str
     spec: Callable[[nn.Module], RoutingSpec]
     anchor: str = ""  # "module:Class" whose forward source defines the form ("" for inferred forms)
+    weight: Callable[[nn.Module], Optional[Tensor]] = _Attribute("weight")  # [E, H]
     bias: Callable[[nn.Module], Optional[Tensor]] = _none
     correction_bias: Callable[[nn.Module], Optional[Tensor]] = _none
     keeps_leading_dims: bool = False  # the forward does not flatten its input to [T, H]
@@ -133,11 +134,41 @@ ROUTER_FORMS: tuple[RouterForm, ...] = (
 )
 
 
-def is_router(module: nn.Module) -> bool:
-    """A module with a router's parts: a ``weight [E, H]`` and an integer ``top_k``."""
+def router_linear(module: nn.Module) -> Optional[str]:
+    """Where a router keeps its ``[E, H]`` projection: ``""`` (its own ``weight``), the name of its one
+    ``nn.Linear`` child (Afmoe's ``gate``, HunYuan's ``wg``), or None."""
     weight = getattr(module, "weight", None)
-    return (isinstance(weight, Tensor) and weight.dim() == 2 and isinstance(getattr(module, "top_k", None), int)
-            and weight.is_floating_point())
+    if isinstance(weight, Tensor):
+        return "" if weight.dim() == 2 and weight.is_floating_point() else None
+    if hasattr(module, "experts"):
+        return None  # a whole MoE block, not its router
+    linears = [name for name, child in module.named_children() if isinstance(child, nn.Linear)]
+    others = [name for name, child in module.named_children() if not isinstance(child, nn.Linear)]
+    return linears[0] if len(linears) == 1 and not others else None
+
+
+def looks_like_router(module: nn.Module) -> bool:
+    """A module that picks ``top_k`` experts (an integer ``top_k`` and no experts of its own)."""
+    return isinstance(getattr(module, "top_k", None), int) and not hasattr(module, "experts") and not isinstance(
+        getattr(module, "top_k"), bool)
+
+
+def is_router(module: nn.Module) -> bool:
+    """A router whose logits are one linear projection: a ``[E, H]`` weight (its own or its one
+    linear child's) and an integer ``top_k``."""
+    return looks_like_router(module) and router_linear(module) is not None
+
+
+def _router_weight(module: nn.Module) -> Tensor:
+    name = router_linear(module)
+    return module.get_submodule(name).weight if name else module.weight
+
+
+def _weight_form(module: nn.Module) -> tuple[_Attribute, _Attribute]:
+    """The weight and linear bias of a router, as form fields."""
+    name = router_linear(module)
+    prefix = f"{name}." if name else ""
+    return _Attribute(prefix + "weight"), _Attribute(prefix + "bias")
 
 
 @functools.lru_cache(maxsize=None)
@@ -210,18 +241,19 @@ def _extra_parameters(cls: type) -> int | None:
 def _probe_copy(module: nn.Module, generator: torch.Generator) -> nn.Module:
     """A CPU copy of the router with random weights that spread the logits (std ~2) and biases
     large enough to change choices."""
-    probe = copy.deepcopy(module).to_empty(device="cpu") if module.weight.is_meta else copy.deepcopy(module).cpu()
+    meta = _router_weight(module).is_meta
+    probe = copy.deepcopy(module).to_empty(device="cpu") if meta else copy.deepcopy(module).cpu()
     probe.train(False)
-    hidden_size = probe.weight.shape[1]
+    hidden_size = _router_weight(probe).shape[1]
     with torch.no_grad():
         for name, tensor in itertools.chain(probe.named_parameters(), probe.named_buffers()):
             if not tensor.is_floating_point():
                 continue
-            if name == "weight":
+            if name.rsplit(".", 1)[-1] == "weight":
                 tensor.copy_(torch.randn(tensor.shape, generator=generator) * (2.0 / hidden_size**0.5))
             elif "bias" in name.rsplit(".", 1)[-1]:
                 tensor.copy_(0.3 * torch.randn(tensor.shape, generator=generator))
-            elif module.weight.is_meta:  # an unknown tensor of a meta module: any finite value
+            elif meta:  # an unknown tensor of a meta module: any finite value
                 tensor.copy_(torch.rand(tensor.shape, generator=generator) + 0.5)
     return probe
 
@@ -288,10 +320,10 @@ assert sorted(_SCORING_ORDER) == sorted(SCORINGS)
 
 
 def _candidates(module: nn.Module, extra: int) -> list[RouterForm]:
-    experts = module.weight.shape[0]
+    experts = _router_weight(module).shape[0]
+    weight, linear_bias = _weight_form(module)
     groups = int(getattr(module, "num_group", None) or getattr(module, "n_group", None) or 1)
     topk_group = int(getattr(module, "topk_group", None) or 1)
-    linear_bias = isinstance(getattr(module, "bias", None), Tensor)
     corrections = [None] if extra else _correction_candidates(module, experts)
     forms = []
     for output, argument, correction, scoring, renormalize, factor in itertools.product(
@@ -303,7 +335,7 @@ def _candidates(module: nn.Module, extra: int) -> list[RouterForm]:
         for logits, weights_dtype in itertools.product(LOGITS, WEIGHTS_DTYPES):
             spec = RoutingSpec(module.top_k, scoring, renormalize, n_group, top_group, factor, logits, weights_dtype)
             forms.append(RouterForm(
-                "inferred", _Fixed(spec), bias=_Attribute("bias" if linear_bias else None),
+                "inferred", _Fixed(spec), weight=weight, bias=linear_bias,
                 correction_bias=_Attribute(correction), bias_argument=argument, output=output))
     return forms
 
@@ -322,7 +354,7 @@ def infer_router_form(module: nn.Module, cls: Optional[type] = None) -> RouterFo
     extra = _extra_parameters(cls)
     if extra is None or extra > 1:
         return None
-    experts, hidden_size = module.weight.shape
+    experts, hidden_size = _router_weight(module).shape
     generator = torch.Generator().manual_seed(experts * 1000 + hidden_size)
     try:
         probes = {dtype: _probe_copy(module, generator).to(dtype) for dtype in (torch.float32, torch.bfloat16)}
@@ -334,9 +366,13 @@ def infer_router_form(module: nn.Module, cls: Optional[type] = None) -> RouterFo
     outputs: dict[torch.dtype, Any] = {}
     with torch.no_grad():
         for dtype, probe in probes.items():
-            try:
-                outputs[dtype] = cls.forward(probe, hidden.to(dtype), *([bias_argument] if extra else []))
-            except Exception:
+            for shaped in (hidden, hidden[None]):  # [T, H], or [1, T, H] for routers that take only 3-D input
+                try:
+                    outputs[dtype] = cls.forward(probe, shaped.to(dtype), *([bias_argument] if extra else []))
+                    break
+                except Exception:
+                    continue
+            else:
                 return None
         for form in _candidates(module, extra):
             if all(_agreement(_route_of(form, probe, hidden.to(dtype), bias_argument), outputs[dtype], form,
@@ -350,7 +386,8 @@ def infer_router_form(module: nn.Module, cls: Optional[type] = None) -> RouterFo
 def _route_of(form: RouterForm, module: nn.Module, hidden: Tensor, bias_argument: Tensor,
               native: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     correction = bias_argument if form.bias_argument else form.correction_bias(module)
-    return route(form.spec(module), hidden, module.weight, form.bias(module), correction, native=native)
+    return route(form.spec(module), hidden, form.weight(module), form.bias(module),
+                 None if correction is None else correction.reshape(-1), native=native)
 
 
 def _keeps_leading_dims(cls: type, probe: nn.Module, hidden: Tensor, extra: int, bias_argument: Tensor) -> bool:
@@ -370,10 +407,11 @@ def _routed_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs
     cls = type(self)
     form: RouterForm = cls._hw_agnostic_form
     bias = form.bias(self)
-    if needs_autograd(hidden_states, self.weight, bias) or (args or kwargs) and not form.bias_argument:
+    weight = form.weight(self)
+    if needs_autograd(hidden_states, weight, bias) or (args or kwargs) and not form.bias_argument:
         return cls._hw_agnostic_base.forward(self, hidden_states, *args, **kwargs)
     correction = (args[0] if args else next(iter(kwargs.values()))) if form.bias_argument else form.correction_bias(self)
-    logits, weights, ids = route(form.spec(self), hidden_states, self.weight, bias,
+    logits, weights, ids = route(form.spec(self), hidden_states, weight, bias,
                                  None if correction is None else correction.reshape(-1))
     if form.output == DENSE:
         return _dense(logits, weights, ids), logits
@@ -393,7 +431,7 @@ def routed_class(cls: type, form: RouterForm) -> type:
 
 def _router_disagreement(module: nn.Module, routed: type) -> str | None:
     """Run the switched router against the module's own forward on random tokens."""
-    weight = module.weight
+    weight = _router_weight(module)
     if weight.is_meta:
         return None
     form: RouterForm = routed._hw_agnostic_form
@@ -402,7 +440,14 @@ def _router_disagreement(module: nn.Module, routed: type) -> str | None:
     args = [0.3 * torch.randn(weight.shape[0], generator=generator).to(weight.device)] if form.bias_argument else []
     base = type(module)
     with torch.no_grad():
-        want = base.forward(module, hidden, *args)
+        try:
+            want = base.forward(module, hidden, *args)
+        except Exception:  # a router that takes only [B, T, H]
+            hidden = hidden[None]
+            try:
+                want = base.forward(module, hidden, *args)
+            except Exception as err:
+                return f"its own forward raised {type(err).__name__}: {err}"
         module.__class__ = routed
         try:
             got = module(hidden, *args)

@@ -26,6 +26,8 @@ INFERRED = {
                    correction="e_score_correction_bias"),
     "jamba": dict(scoring="softmax", renormalize=False),
     "minimax_m2": dict(scoring="sigmoid", renormalize=True, argument=True, logits="model_dtype"),
+    "afmoe": dict(scoring="sigmoid", renormalize=True, argument=True, weight="gate.weight"),  # takes [B, T, H] only
+    "hunyuan_v1_moe": dict(scoring="topk_then_softmax", weight="wg.weight"),  # the logits come from a child linear
 }
 
 
@@ -71,11 +73,14 @@ def test_inferred_router_forms_reproduce_the_router(family):
     assert form.bias_argument == want.get("argument", False)
     assert form.correction_bias.path == want.get("correction")
     assert form.output == want.get("output", "logits_weights_ids")
+    assert form.weight.path == want.get("weight", "weight")
+    experts, hidden_size = form.weight(router).shape
     for dtype in (torch.float32, torch.bfloat16):
         probe = copy.deepcopy(router).to(dtype)
         _randomise(probe, seed=int(dtype == torch.bfloat16))
-        hidden = torch.randn(37, router.weight.shape[1], generator=torch.Generator().manual_seed(1)).to(dtype)
-        args = [0.3 * torch.randn(router.weight.shape[0])] if form.bias_argument else []
+        hidden = torch.randn(1, 37, hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype)
+        hidden = hidden if family == "afmoe" else hidden[0]
+        args = [0.3 * torch.randn(experts)] if form.bias_argument else []
         with torch.no_grad():
             original = probe(hidden, *args)
             change = switch_router("router", probe, RewireReport(), verify=True)
@@ -132,6 +137,16 @@ def test_routing_moe_route_cannot_express_is_left_with_the_reason():
     assert "none of moe_route's forms reproduces" in report.left[0].detail
     phimoe = _router("phimoe")  # sparsemixer: a masked top-1, then the best of the rest
     assert router_form(phimoe) is None
+
+
+def test_experts_and_routers_it_cannot_serve_are_reported():
+    """Experts outside @use_experts_implementation and routers that are not one linear are listed as left."""
+    from hw_agnostic.backend.experts import enable_fused_experts
+
+    left = {e.path: e.detail for e in enable_fused_experts(build("llama4_text")).left}
+    assert "@use_experts_implementation" in left["model.layers.0.feed_forward.experts"]
+    left = {e.path: e.detail for e in enable_fused_experts(build("zaya")).left}
+    assert "not one linear projection" in left["model.layers.0.mlp.gate"]
 
 
 def test_blocks_whose_router_takes_the_bias_from_the_block_are_not_built_whole():

@@ -198,4 +198,19 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
 def build(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     config = tiny_config(model_type, **overrides)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    _redraw_zero_linears(model)
+    return model
+
+
+def _redraw_zero_linears(model: torch.nn.Module) -> None:
+    """Linear weights a family initialises to zero (Afmoe's router, some output projections) drawn
+    like the others: a zero projection hides what it feeds from every check (anything times zero
+    agrees) and ties every router score, where ``torch.topk``'s order is unspecified. Trained
+    checkpoints have no such weights."""
+    std = getattr(model.config, "initializer_range", None) or 0.02
+    with torch.no_grad():
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(module, torch.nn.Linear) and weight is not None and not weight.is_meta and not weight.any():
+                weight.normal_(0.0, std)
