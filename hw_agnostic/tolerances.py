@@ -46,14 +46,22 @@ def least_precise(*dtypes: torch.dtype) -> torch.dtype:
     return max(dtypes, key=lambda d: torch.finfo(d).eps)
 
 
-def mismatch(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None) -> str | None:
-    """None when ``actual`` matches the float64 ``expected`` within the table, else a report."""
+def mismatch(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, *,
+             two_sided: bool = False) -> str | None:
+    """None when ``actual`` matches the float64 ``expected`` within the table, else a report.
+
+    ``two_sided``: ``expected`` is itself a ``dtype`` computation (another implementation's
+    result held in float64), not a float64 evaluation; each of the two may lie the table's width
+    from the exact result, on opposite sides, so twice the table is allowed.
+    """
     dtype = actual.dtype if dtype is None else dtype
     if actual.shape != expected.shape:
         return f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
     if actual.numel() == 0:
         return None
     tol = tolerance(dtype)
+    if two_sided:
+        tol = Tolerance(rtol=2 * tol.rtol, atol=2 * tol.atol)
     got = actual.detach().to(device="cpu", dtype=torch.float64)
     want = expected.detach().to(device="cpu", dtype=torch.float64)
     nan_mismatch = torch.isnan(got) != torch.isnan(want)
@@ -74,8 +82,8 @@ def mismatch(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | 
         return None
     worst = int(torch.argmax(error - allowed))
     return (
-        f"{int(bad.sum())} of {want.numel()} elements outside rtol={tol.rtol}, atol={tol.atol}*{scale:.3g} "
-        f"for {dtype}; worst: got {got[worst].item():.8g}, want {want[worst].item():.8g}"
+        f"{int(bad.sum())} of {want.numel()} elements outside rtol={tol.rtol:g}, atol={tol.atol:g}*{scale:.3g} "
+        f"for {dtype}{' (two-sided)' if two_sided else ''}; worst: got {got[worst].item():.8g}, want {want[worst].item():.8g}"
     )
 
 

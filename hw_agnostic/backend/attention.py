@@ -47,6 +47,7 @@ the ``hw_agnostic_paged`` attention function, which is also registered in ``Atte
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 import re
@@ -64,9 +65,11 @@ from ..layers.attention import (
 from ..layers.base import resolve
 from ..ops.write_kv_cache import write_kv_cache
 from .changes import Change
+from .kv_flow import kv_flow
 
 ATTENTION_NAME = "hw_agnostic_paged"
 _FALLBACK_ATTRIBUTE = "_hw_agnostic_fallback_attention"
+_KV_HEADS_ATTRIBUTE = "_hw_agnostic_kv_heads"  # how the module expands the stored K/V heads (see kv_flow)
 
 
 # --------------------------------------------------------------------------------------------
@@ -92,19 +95,62 @@ def paged_attention_forward(
         batch = batch.page(key, value, real_tokens(batch.attention_mask, key.shape[2]))
     if batch is None:
         return _fallback(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    order = None
     if key is not batch.key_states or value is not batch.value_states:
-        raise KVChangedError(
-            f"{type(module).__name__} changes K/V between cache.update and its attention call (e.g. splits or "
-            "tiles them); the paged kernel reads the cache, so this module cannot be paged"
-        )
+        order = _expanded_heads(module, query, key, value, batch)
+    sinks = kwargs.get("s_aux")
+    if order is not None:  # tiled K/V heads: query heads regrouped by the stored head they read
+        query = query[:, order.forward]
+        sinks = None if sinks is None else sinks[order.forward]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = attend(query, batch, scale=scale, sliding_window=kwargs.get("sliding_window"),
-                 softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
+                 softcap=kwargs.get("softcap"), sinks=sinks)
+    if order is not None:
+        out = out[:, :, order.inverse]
     return out, None
 
 
 class KVChangedError(NotImplementedError):
     """An attention module computes with K/V other than the ones it stored in the cache."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadOrder:
+    forward: Tensor  # kernel query head i is the module's query head forward[i]
+    inverse: Tensor
+
+
+def _expanded_heads(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                    batch: PagedBatch) -> Optional[HeadOrder]:
+    """The attention call got a head expansion of the K/V the module stored (``kv_flow`` found which):
+    None when the kernel reads it as it is (grouped-query interleaving), the query head order that
+    makes it so for tiled heads; anything else raises :class:`KVChangedError`."""
+    expansion = getattr(module.config, _KV_HEADS_ATTRIBUTE, None)
+    stored_k, stored_v = batch.key_states, batch.value_states
+    assert stored_k is not None and stored_v is not None
+    stored, heads = stored_k.shape[1], key.shape[1]
+    expanded = (expansion in ("interleave", "tile") and heads % stored == 0 and query.shape[1] % heads == 0
+                and key.shape == (stored_k.shape[0], heads, *stored_k.shape[2:])
+                and value.shape == (stored_v.shape[0], heads, *stored_v.shape[2:]))
+    if not expanded:
+        raise KVChangedError(
+            f"{type(module).__name__} changes K/V between cache.update and its attention call (e.g. splits or "
+            "tiles them); the paged kernel reads the cache, so this module cannot be paged"
+        )
+    if expansion == "interleave":
+        return None
+    return _tiled_order(query.shape[1], heads, stored, query.device)
+
+
+@functools.lru_cache(maxsize=64)
+def _tiled_order(query_heads: int, heads: int, stored: int, device: torch.device) -> HeadOrder:
+    """Query head ``i`` reads expanded head ``i // (query_heads // heads)``, which ``k.repeat(1, n, 1, 1)``
+    filled from stored head ``(that) % stored``; the kernel gives query head ``i`` stored head
+    ``i // (query_heads // stored)``. Sorting the query heads by the stored head they read (stably)
+    lines the two up."""
+    reads = (torch.arange(query_heads) // (query_heads // heads)) % stored
+    forward = torch.argsort(reads, stable=True)
+    return HeadOrder(forward.to(device), torch.argsort(forward).to(device))
 
 
 def _fallback(module: nn.Module) -> Callable[..., Any]:
@@ -158,7 +204,6 @@ class PagedCacheLayer(_cache_layer_base()):  # type: ignore[misc]
         # one per transformers Cache: its layers compute each step's metadata once (see StepShare)
         self.share = share if share is not None else StepShare()
         self.store: Optional[PagedKVCache] = None
-        self.is_initialized = True
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         pass
@@ -190,6 +235,17 @@ class PagedCacheLayer(_cache_layer_base()):  # type: ignore[misc]
         if self.store is None:
             raise ValueError("this paged cache layer holds nothing yet")
         return self.store.read()
+
+    @property
+    def is_initialized(self) -> bool:
+        """Whether the layer holds pages (transformers' invariant: an initialized layer's ``keys`` is a tensor,
+        which models read, e.g. Mllama's ``layer.keys.numel()``)."""
+        return self.__dict__.get("store") is not None  # (the base class's __init__ asks before there is one)
+
+    @is_initialized.setter
+    def is_initialized(self, value: bool) -> None:
+        if value != self.is_initialized:  # transformers' base class initialises the attribute to False
+            raise AttributeError("a paged cache layer is initialized by its first write (update or append)")
 
     @property
     def keys(self) -> Optional[Tensor]:
@@ -497,7 +553,7 @@ def attention_refusal(module: nn.Module) -> str | None:
     key_dim, value_dim = getattr(module, "qk_head_dim", None), getattr(module, "v_head_dim", None)
     if getattr(module, "kv_lora_rank", None) or (key_dim is not None and value_dim is not None and key_dim != value_dim):
         return "latent attention (low-rank K/V with their own head layout, as DeepSeek's MLA)"
-    return None
+    return kv_flow(type(module)).refusal
 
 
 NOT_ATTENTION = "not an attention module"
@@ -531,6 +587,7 @@ def paging_changes(model: nn.Module, *, block_size: int = 16) -> tuple[list[Chan
             continue
         config = copy.copy(module.config)
         setattr(config, _FALLBACK_ATTRIBUTE, module.config._attn_implementation)
+        setattr(config, _KV_HEADS_ATTRIBUTE, kv_flow(type(module)).expansion)
         config._attn_implementation_internal = ATTENTION_NAME
         original = type(module).__name__
 

@@ -13,6 +13,7 @@ fused layers independently.
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any
 
@@ -30,6 +31,23 @@ def add_and_norm(norm: nn.Module, x: Tensor, residual: Tensor) -> tuple[Tensor, 
         return norm(x, residual)
     summed = residual + x
     return norm(summed), summed
+
+
+def attention_call_refusal(attention: nn.Module, layout: DecoderLayout) -> str | None:
+    """Why the fused forward cannot call ``attention`` as ``attention(hidden_states=h, <the layer's
+    attention keywords>)`` (None: it can). A module that takes its input under other names (CTRL's
+    ``forward(v, k, q, ...)``, called with the normed hidden states three times) is called by its
+    layer in a way the layout does not record, so its layer is not fused."""
+    own_class = getattr(type(attention), "_hw_agnostic_base", type(attention))  # a paged module: its own forward
+    try:
+        signature = inspect.signature(own_class.forward)
+    except (TypeError, ValueError):
+        return "its attention's forward has no signature to check the fused call against"
+    try:
+        signature.bind(attention, hidden_states=None, **dict.fromkeys(layout.attention_params))
+    except TypeError as err:
+        return f"its attention is not called as attention(hidden_states=..., ...): {err}"
+    return None
 
 
 def install_fused_forward(layer: nn.Module, layout: DecoderLayout, signature_defaults: dict[str, Any]) -> None:

@@ -42,7 +42,7 @@ from ..tolerances import mismatch
 from . import checkpoint
 from .attention import paging_changes
 from .changes import Change, swap
-from .decoder import FUSABLE, install_fused_forward, remove_fused_forward
+from .decoder import FUSABLE, attention_call_refusal, install_fused_forward, remove_fused_forward
 from .detect import (
     MLPSpec,
     NotDetected,
@@ -423,6 +423,10 @@ def _fused(model: nn.Module, report: RewireReport, options: Options) -> list[Cha
             continue
         if layout.name not in FUSABLE:
             report.add("left", path, layer, detail=f"{layout.name} layout: no norm follows a residual add")
+            continue
+        refusal = attention_call_refusal(getattr(layer, layout.roles["attention"]), layout)
+        if refusal is not None:
+            report.add("left", path, layer, detail=f"not fused: {refusal}")
             continue
         params = inspect.signature(type(layer).forward).parameters
         defaults = {name: params[name].default for name in layout.attention_params}
