@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
+from ..ops.fused_experts import gated_reference
+from ..tolerances import mismatch
 from .detect_norms import NotDetected
 
 
@@ -52,6 +54,8 @@ class MLPSpec:
     up_multiplier: float | None = None
     down_multiplier: float | None = None
     dropout: float = 0.0
+    swiglu_alpha: float = 1.702  # activation "swiglu_oai" only
+    swiglu_limit: float = 7.0
 
 
 class _ChildrenAsLeaves(fx.Tracer):
@@ -167,7 +171,50 @@ def detect_gated_mlp(module: nn.Module) -> MLPSpec | NotDetected | None:
             factors = [None if f == 1.0 else f for f in (gate_multiplier, up_multiplier, down_multiplier)]
             return dataclasses.replace(spec, gate_multiplier=factors[0], up_multiplier=factors[1],
                                        down_multiplier=factors[2], dropout=dropout)
+    computed = _merged_gated_mlp_by_evaluation(module, linears, down)
+    if computed is not None:
+        return computed
     return NotDetected("computes a product of projections, but not act(gate(x)) * up(x)")
+
+
+def _swiglu_parameters(module: nn.Module) -> tuple[float, float]:
+    """gpt-oss's clamped SwiGLU constants as the module names them (``alpha``/``swiglu_alpha``, ``limit``)."""
+    values = {name: value for name, value in vars(module).items() if isinstance(value, float)}
+    alpha = next((v for k, v in values.items() if "alpha" in k), 1.702)
+    limit = next((v for k, v in values.items() if "limit" in k), 7.0)
+    return alpha, limit
+
+
+def _merged_gated_mlp_by_evaluation(module: nn.Module, linears: dict[str, nn.Linear], down: str) -> MLPSpec | None:
+    """A merged ``gate_up`` projection and ``down``, with an activation between them written inline
+    (MiniMax-M3: clamps, ``gate * sigmoid(alpha * gate) * (up + 1)``): recognised when the module
+    computes ``down(act(gate_up(x)))`` for one of the gated activations, on inputs that reach past
+    the clamps."""
+    if len(linears) != 2 or any(list(c.parameters()) for c in module.children() if not isinstance(c, nn.Linear)):
+        return None
+    gate_up_name = next(name for name in linears if name != down)
+    gate_up, down_proj = linears[gate_up_name], linears[down]
+    hidden, inter = down_proj.out_features, down_proj.in_features
+    if (gate_up.in_features, gate_up.out_features) != (hidden, 2 * inter) or gate_up.weight.is_meta:
+        return None
+    alpha, limit = _swiglu_parameters(module)
+    g = torch.Generator().manual_seed(hidden)
+    weight = gate_up.weight
+    x = torch.randn(2, 5, hidden, generator=g).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        scale = 12.0 / gate_up(x).abs().amax().clamp(min=1e-6)  # projections reaching +-12
+        x = x * scale
+        try:
+            want = module(x)
+        except Exception:
+            return None
+        projected = gate_up(x)
+        for activation in ("silu", "gelu", "gelu_tanh", "swiglu_oai"):
+            got = down_proj(gated_reference(projected, activation, False, alpha, limit))
+            if isinstance(want, Tensor) and got.shape == want.shape and mismatch(got, want.double(), want.dtype) is None:
+                return MLPSpec(None, None, gate_up_name, down, activation, hidden, inter, gate_up.bias is not None,
+                               down_proj.bias is not None, swiglu_alpha=alpha, swiglu_limit=limit)
+    return None
 
 
 def _peel_dropout(module: nn.Module, node: fx.Node) -> tuple[fx.Node, float | NotDetected]:

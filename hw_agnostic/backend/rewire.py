@@ -199,7 +199,9 @@ def _describe_mlp(spec: MLPSpec) -> str:
     source = f"gate_up={spec.gate_up}" if spec.gate_up else f"gate={spec.gate}, up={spec.up}"
     factors = "".join(f", {name}={value:g}" for name, value in (("gate x", spec.gate_multiplier),
                       ("up x", spec.up_multiplier), ("down x", spec.down_multiplier)) if value is not None)
-    return (f"{source}, down={spec.down}, act={spec.activation}, {spec.hidden_size}->{spec.intermediate_size}"
+    act = spec.activation + (f"(alpha={spec.swiglu_alpha:g}, limit={spec.swiglu_limit:g})"
+                             if spec.activation == "swiglu_oai" else "")
+    return (f"{source}, down={spec.down}, act={act}, {spec.hidden_size}->{spec.intermediate_size}"
             + (", bias" if spec.bias else "") + factors + (f", dropout {spec.dropout:g}" if spec.dropout else ""))
 
 
@@ -258,7 +260,8 @@ def build_mlp(module: nn.Module, spec: MLPSpec) -> nn.Module:
     layer = resolve("gated_mlp")(
         spec.hidden_size, spec.intermediate_size, spec.activation, bias=spec.bias, down_bias=spec.down_bias,
         gate_multiplier=spec.gate_multiplier, up_multiplier=spec.up_multiplier, down_multiplier=spec.down_multiplier,
-        dropout=spec.dropout, device="meta", dtype=down.weight.dtype,
+        dropout=spec.dropout, swiglu_alpha=spec.swiglu_alpha, swiglu_limit=spec.swiglu_limit, device="meta",
+        dtype=down.weight.dtype,
     )
     state = {"gate_up_proj.weight": weight, "down_proj.weight": down.weight}
     if spec.bias:

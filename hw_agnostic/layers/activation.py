@@ -66,9 +66,13 @@ ACTIVATIONS = {
 }
 
 
-def act_and_mul(activation: str) -> CustomOp:
-    """The ``act(gate) * up`` layer for an activation name (``silu``, ``gelu``, ``gelu_tanh``)."""
+def act_and_mul(activation: str, *, swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> CustomOp:
+    """The ``act(gate) * up`` layer for an activation name (``silu``, ``gelu``, ``gelu_tanh``), or
+    ``swiglu_oai``: gpt-oss's clamped SwiGLU on a gate-first input (MiniMax-M3's dense MLPs)."""
+    if activation == "swiglu_oai":
+        return SwigluOai(swiglu_alpha, swiglu_limit, interleaved=False)
     try:
         return ACTIVATIONS[activation]()
     except KeyError:
-        raise ValueError(f"unsupported activation {activation!r}; supported: {', '.join(ACTIVATIONS)}") from None
+        raise ValueError(f"unsupported activation {activation!r}; supported: {', '.join(ACTIVATIONS)}, "
+                         f"swiglu_oai") from None

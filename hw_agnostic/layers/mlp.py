@@ -21,6 +21,7 @@ class GatedMLP(PluggableLayer):
     constant factors multiply the gate and up projections' outputs and the output
     (``down(act(gate(x) * g) * (up(x) * u)) * d``, Falcon-H1's ``mlp_multipliers``), each rounded
     where the model rounds it, and ``dropout`` applies to the output in training (as in SeedOss).
+    ``activation="swiglu_oai"`` is gpt-oss's clamped SwiGLU (``swiglu_alpha``, ``swiglu_limit``).
     """
 
     def __init__(
@@ -35,6 +36,8 @@ class GatedMLP(PluggableLayer):
         up_multiplier: Optional[float] = None,
         down_multiplier: Optional[float] = None,
         dropout: float = 0.0,
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
         dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device | str] = None,
     ) -> None:
@@ -45,7 +48,7 @@ class GatedMLP(PluggableLayer):
         self.gate_multiplier, self.up_multiplier, self.down_multiplier = gate_multiplier, up_multiplier, down_multiplier
         self.dropout = float(dropout)
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype, device=device)
-        self.act_fn = act_and_mul(activation)
+        self.act_fn = act_and_mul(activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias if down_bias is None else down_bias,
                                    dtype=dtype, device=device)
 

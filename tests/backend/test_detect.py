@@ -297,3 +297,33 @@ def test_conv1d_projections_are_a_plain_mlp_or_not_served():
     assert isinstance(plain, NotDetected) and "a plain MLP" in plain.reason and "Conv1D" in plain.reason
     gated = detect_gated_mlp(ConvMLP(gated=True))
     assert isinstance(gated, NotDetected) and "not served" in gated.reason and "plain" not in gated.reason
+
+
+class InlineSwigluMLP(nn.Module):
+    """MiniMax-M3's dense MLP: gpt-oss's clamped SwiGLU written inline between two linears."""
+
+    def __init__(self, relu: bool = False) -> None:
+        super().__init__()
+        self.swiglu_alpha, self.swiglu_limit, self.relu = 1.5, 6.0, relu
+        self.gate_up_proj, self.down_proj = nn.Linear(16, 48, bias=False), nn.Linear(24, 16, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if self.relu:
+            return self.down_proj(torch.relu(gate) * up)
+        gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+        return self.down_proj((up + 1.0) * (gate * torch.sigmoid(gate * self.swiglu_alpha)))
+
+
+def test_an_inline_clamped_swiglu_is_recognised_by_what_it_computes():
+    from hw_agnostic.backend.rewire import build_mlp
+
+    module = InlineSwigluMLP()
+    spec = detect_gated_mlp(module)
+    assert isinstance(spec, MLPSpec), spec
+    assert (spec.activation, spec.gate_up, spec.swiglu_alpha, spec.swiglu_limit) == ("swiglu_oai", "gate_up_proj", 1.5, 6.0)
+    x = 4.0 * torch.randn(3, 16, generator=torch.Generator().manual_seed(0))  # past the clamps
+    with torch.no_grad():
+        assert mismatch(build_mlp(module, spec).train(False)(x), module(x).double()) is None
+    relu = detect_gated_mlp(InlineSwigluMLP(relu=True))
+    assert isinstance(relu, NotDetected) and "not act(gate(x)) * up(x)" in relu.reason
