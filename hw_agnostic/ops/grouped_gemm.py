@@ -17,6 +17,7 @@ from torch import Tensor
 from ..autotune.keys import token_bucket
 from ..autotune.shapes import moe_model
 from ..kernels import grouped_gemm as kernels
+from ..kernels.fused_experts import default_block_m
 from . import checks
 from .moe_align import MoEAlignment, moe_align_reference
 from .moe_common import dtype_name, example_routing, helion_provider
@@ -247,7 +248,9 @@ def _example_gemm(tokens: int, width: int, dtype: torch.dtype, device: str) -> t
     model = moe_model(width)
     experts, top_k, inter = model.experts, model.top_k, model.inter
     _, ids = example_routing(tokens, experts, top_k, device)
-    sorted_pairs, block_experts, _ = moe_align_reference(ids, experts, 16)
+    # The rows per block fused_experts would align these tokens to (prefill reaches 64: wgmma's M).
+    block_m = default_block_m(tokens, top_k, experts)
+    sorted_pairs, block_experts, _ = moe_align_reference(ids, experts, block_m)
     a = torch.randn(tokens, width, dtype=dtype, device=device)
     return a, example_weights(experts, 2 * inter, width, dtype, device), sorted_pairs, block_experts, top_k, False, \
         None, None
