@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .grouped_gemm import GROUPED_GEMM, gemm_tile_candidates, gemm_tiles
+from .grouped_gemm import GROUPED_GEMM, gemm_tile_candidates, gemm_tiles, with_launch_orders
 from .interpret import interpreter_mode
 from .moe_align import MOE_ALIGN, default_align_config
 from .runtime import Config, HelionFunction, KernelSpec, next_power_of_2
@@ -97,6 +97,9 @@ def fused_experts_candidates(key: Mapping[str, Any]) -> list[Config]:
                 config = {**base, "block_m": block_m, "gate_up": gate_up, "down": down}
                 if config not in candidates:
                     candidates.append(config)
+    for gate_up in with_launch_orders(base["gate_up"])[1:]:  # the default tiles in the other launch orders
+        for down in with_launch_orders(base["down"])[1:]:
+            candidates.append({**base, "gate_up": gate_up, "down": down})
     return candidates
 
 

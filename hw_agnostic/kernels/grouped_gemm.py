@@ -122,11 +122,23 @@ def gemm_tile_candidates(n: int, k: int) -> list[Config]:
     return candidates
 
 
+#: Launch orders beside the default (row blocks fastest, so each column block re-gathers every row
+#: block's activations): column blocks fastest, and super-groups of 8 row blocks that walk the
+#: columns together, so a row block's gathered activations stay in L2 across output columns.
+LAUNCH_ORDERS: tuple[dict[str, Any], ...] = ({"loop_orders": [[1, 0]]}, {"l2_groupings": [8]})
+
+
+def with_launch_orders(config: Config) -> list[Config]:
+    """``config`` and its variants in the other launch orders."""
+    return [config, *({**config, **order} for order in LAUNCH_ORDERS)]
+
+
 def grouped_gemm_candidates(key: Mapping[str, Any]) -> list[Config]:
-    candidates = [default_grouped_gemm_config(key)]
-    for config in gemm_tile_candidates(int(key["n"]), int(key["k"])):
-        if config not in candidates:
-            candidates.append(config)
+    candidates = with_launch_orders(default_grouped_gemm_config(key))
+    for tiles in gemm_tile_candidates(int(key["n"]), int(key["k"])):
+        for config in with_launch_orders(tiles) if tiles["num_stages"] == 3 else [tiles]:
+            if config not in candidates:
+                candidates.append(config)
     return candidates
 
 

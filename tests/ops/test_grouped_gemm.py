@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hw_agnostic import ops
+from hw_agnostic.kernels.grouped_gemm import LAUNCH_ORDERS
 from hw_agnostic.ops.grouped_gemm import grouped_gemm_op
 from hw_agnostic.ops.moe_align import moe_align_reference
 from tests.harness import Case, check_provider, dsl_providers, seeded_generator
@@ -42,6 +43,8 @@ GEMM_CASES = [
       for dtype, sd in ((torch.bfloat16, torch.float32), (torch.float16, torch.float16))),
     gemm_case(7, 5, 2, 13, 22, torch.bfloat16, transposed=True, bias=True),  # gpt-oss layout
     gemm_case(7, 5, 3, 37, 45, torch.float32, block_m=4, config=GEMM_SMALL),  # masks over N and K
+    *(gemm_case(37, 5, 3, 37, 45, torch.float32, block_m=4, config={**GEMM_SMALL, **order})
+      for order in LAUNCH_ORDERS),  # column blocks fastest; L2 super-groups
     gemm_case(10, 5, 2, 13, 22, torch.float32, pattern="sentinels", bias=True),  # unrouted pairs: zero rows
     gemm_case(1, 3, 1, 13, 22, torch.bfloat16, stage="down"),  # one pair
     gemm_case(0, 3, 2, 13, 22, torch.float32),
