@@ -487,7 +487,7 @@ def attention_refusal(module: nn.Module) -> str | None:
     if not dispatches and not writes or not any(True for _ in module.parameters()):
         return NOT_ATTENTION
     if not dispatches:
-        return "writes the cache but computes attention in its own code (not through ALL_ATTENTION_FUNCTIONS)"
+        return OWN_CODE
     if not writes:
         return "dispatches attention but never writes a KV cache (an encoder, or a vision/audio tower)"
     if not hasattr(module, "config"):
@@ -501,6 +501,8 @@ def attention_refusal(module: nn.Module) -> str | None:
 
 
 NOT_ATTENTION = "not an attention module"
+#: served by :mod:`hw_agnostic.backend.attention_own_code` where its attention code is recognised
+OWN_CODE = "writes the cache but computes attention in its own code (not through ALL_ATTENTION_FUNCTIONS)"
 #: ``cache.update(k, v, <...>layer_idx, ...)``: a forward that writes K/V into a cache layer
 _WRITES_KV = re.compile(r"\.update\(\s*[\w.\[\]]+\s*,\s*[\w.\[\]]+\s*,\s*[\w.]*(layer_idx|idx)")
 
@@ -523,6 +525,13 @@ def paging_changes(model: nn.Module, *, block_size: int = 16) -> tuple[list[Chan
         if not path:
             continue
         reason = attention_refusal(module)
+        if reason == OWN_CODE:  # its own attention code may still be interpreted onto the kernel
+            from .attention_own_code import own_code_change, own_code_refusal
+
+            reason = own_code_refusal(path, module)
+            if reason is None:
+                changes.append(own_code_change(path, module, block_size))
+                continue
         if reason is not None:
             if reason != NOT_ATTENTION:
                 left.append((path, module, reason))
