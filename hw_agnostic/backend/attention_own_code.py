@@ -145,7 +145,8 @@ class _OwnCodeAttention:
         arguments.update(kwargs)
         if any(arguments.get(name) is not None for name in _CROSS_ARGUMENTS):
             return state.base_forward(self, *args, **kwargs)  # cross-attention: the module as it was
-        if own.unrecognised is not None:
+        if own.unrecognised is not None or torch.compiler.is_compiling():
+            # a traced graph cannot follow placeholders by identity: the module's own attention
             return self._replayed(own, args, kwargs, replay=False)
         interpreter = own.interpreter = _Interpreter(self)
         try:
@@ -184,7 +185,7 @@ def _own_code_class(layer: type, base: type) -> type:
 def _bind_own_code(layer: PagedAttention, cache: Any, attention_mask: Any, fallback: bool) -> Any:
     own: _OwnState = layer.__dict__[_OWN]
     # a module that never passes kwargs to update cannot use a continuous-batching cache's pages
-    if isinstance(cache, _cache_classes()[2]) or own.unrecognised is not None:
+    if isinstance(cache, _cache_classes()[2]) or own.unrecognised is not None or torch.compiler.is_compiling():
         fallback = True
     return _OwnCodeBinding(layer, bind_cache(layer, cache, attention_mask, fallback), own)
 
@@ -352,6 +353,10 @@ class _Interpreter(TorchFunctionMode):
             return func(*args, **kwargs)
         if name == "scaled_dot_product_attention":
             return self._sdpa(*args, **kwargs)
+        if name == "baddbmm":
+            operands = dict(zip(("input", "batch1", "batch2"), args), **kwargs)
+            if isinstance(self._meaning(operands.get("batch2")), _KV):
+                return self._baddbmm(**operands)
         subject = self._meaning(args[0]) if args else None
         if isinstance(subject, _KV):
             return self._kv_op(name, func, args, kwargs, subject)
@@ -414,6 +419,19 @@ class _Interpreter(TorchFunctionMode):
         out = self._attend(scores)  # [B, Hq, q, D]
         out = out.reshape(-1, *out.shape[2:]) if scores.flat else out
         return out.to(right.dtype)
+
+    def _baddbmm(self, input: Any, batch1: Any, batch2: Tensor, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+        """``beta * input + alpha * (q @ k^T)`` (GPT-NeoX style): the product, scaled, plus ``input`` as a bias."""
+        if self._meaning(input) is not None:
+            self.fail("adds its attention scores to themselves")
+        scores = self._product(batch1, batch2, self._meaning(batch2))
+        scaled = self._scores_op("mul", None, (scores, alpha), {}, self._meaning(scores))
+        if not isinstance(input, Tensor):
+            if self._number(input) != 0:
+                self.fail(f"adds {input!r} to its attention scores")
+            return scaled
+        return self._scores_op("add", None, (scaled, input * beta if beta != 1 else input), {},
+                               self._meaning(scaled))
 
     # -- scores and probabilities -------------------------------------------------------------
 
@@ -522,9 +540,8 @@ class _Interpreter(TorchFunctionMode):
             causal = torch.ones(step.q_len, step.seen, dtype=torch.bool, device=query.device).tril()
             attn_mask = causal
         if attn_mask is not None:
-            if attn_mask.dtype == torch.bool:
-                attn_mask = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(
-                    ~attn_mask, float("-inf")) if attn_mask.dim() else attn_mask
+            if attn_mask.dtype == torch.bool:  # SDPA's boolean mask: True attends
+                attn_mask = torch.where(attn_mask, 0.0, float("-inf"))
             shape = meaning.shape(False)
             if torch.broadcast_shapes(attn_mask.shape, shape) != torch.Size(shape):
                 self.fail(f"gives scaled_dot_product_attention a {tuple(attn_mask.shape)} mask for {shape} scores")
