@@ -641,7 +641,7 @@ def disable_paged_attention(model: nn.Module) -> list[str]:
     restored = []
     for path, module in list(model.named_modules()):
         if isinstance(module, PagedAttention):
-            PagedAttention.release(module)
+            getattr(type(module), "_hw_agnostic_release", PagedAttention.release)(module)
             restored.append(path)
         handle = _hooks.pop(module, None)
         if handle is not None:

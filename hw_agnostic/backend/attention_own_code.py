@@ -177,7 +177,7 @@ class _OwnCodeAttention:
 @functools.lru_cache(maxsize=None)
 def _own_code_class(layer: type, base: type) -> type:
     return type(f"Paged{base.__name__}", (_OwnCodeAttention, layer, base), {
-        "_hw_agnostic_base": base, "__module__": layer.__module__,
+        "_hw_agnostic_base": base, "__module__": layer.__module__, "_hw_agnostic_release": staticmethod(release_own_code),
         "__doc__": f"{base.__name__} with its K/V in a paged cache and its own attention code run by paged_attention.",
     })
 
@@ -291,6 +291,7 @@ class _Interpreter(TorchFunctionMode):
         self.module = module
         self.symbols: dict[int, tuple[Tensor, Any]] = {}  # id -> (placeholder, meaning); holds the tensor
         self.steps: list[_Step] = []
+        self.constants: dict[int, tuple[Tensor, Any]] = {}  # id -> (0-dim tensor, its value), made in the mode
         self.active = False
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -347,7 +348,11 @@ class _Interpreter(TorchFunctionMode):
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
         if not any(self._meaning(x) is not None for x in flat):
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if _name(func) == "full" and isinstance(out, Tensor) and out.dim() == 0 and len(args) > 1:
+                # a constant the module makes (XGLM's clamp floor): known without reading the device
+                self.constants[id(out)] = (out, args[1])
+            return out
         name = _name(func)
         if name in _METADATA or name.startswith("get:") and name[4:] in _GETTERS:
             return func(*args, **kwargs)
@@ -495,11 +500,14 @@ class _Interpreter(TorchFunctionMode):
             return tensor
         return self._placeholder(tuple(tensor.shape), dtype, tensor.device, new)
 
-    @staticmethod
-    def _number(x: Any) -> Optional[float]:
-        """A scalar operand's value (a one-element tensor's too: reading it synchronises with the device)."""
+    def _number(self, x: Any) -> Optional[float]:
+        """A scalar operand's value (a one-element tensor's too: unless the module made it with
+        ``torch.full`` under the interpreter, reading it synchronises with the device)."""
         if isinstance(x, (int, float)) and not isinstance(x, bool):
             return float(x)
+        known = self.constants.get(id(x))
+        if known is not None and known[0] is x and isinstance(known[1], (int, float)):
+            return float(known[1])
         if isinstance(x, Tensor) and x.numel() == 1:
             return float(x.item())
         return None

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hw_agnostic import ops, rewire
-from hw_agnostic.backend.attention import enable_paged_attention
+from hw_agnostic.backend.attention import disable_paged_attention, enable_paged_attention
 from hw_agnostic.backend.attention_own_code import _masks_agree
 from hw_agnostic.layers import PagedAttention
 from hw_agnostic.tolerances import assert_close
@@ -193,3 +193,13 @@ def test_masks_agree_only_with_the_kernels_causal_and_padding_rule():
     assert not _masks_agree([], None, 6, 6, 2, torch.device("cpu"))  # no mask: not causal
     alibi = torch.arange(6.0).expand(2, 4, 1, 6)
     assert not _masks_agree([(_causal(2, 6, 6), 1.0), (alibi, 1.0)], None, 6, 6, 2, torch.device("cpu"))
+
+
+def test_enabling_can_be_undone():
+    model, reference = _build("xglm")
+    paths = enable_paged_attention(model)
+    assert paths == [f"model.layers.{i}.self_attn" for i in range(2)]
+    assert disable_paged_attention(model) == paths
+    for path in paths:
+        module, original = model.get_submodule(path), reference.get_submodule(path)
+        assert type(module) is type(original) and set(vars(module)) == set(vars(original))
