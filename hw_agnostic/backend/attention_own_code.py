@@ -187,6 +187,11 @@ def _bind_own_code(layer: PagedAttention, cache: Any, attention_mask: Any, fallb
     # a module that never passes kwargs to update cannot use a continuous-batching cache's pages
     if isinstance(cache, _cache_classes()[2]) or own.unrecognised is not None or torch.compiler.is_compiling():
         fallback = True
+    if isinstance(attention_mask, Tensor) and attention_mask.dim() not in (2, 4) and isinstance(cache, _cache_classes()[0]):
+        if own.strict:
+            raise UnrecognisedAttention(f"{type(layer).__name__} is given a {attention_mask.dim()}-D attention mask, "
+                                        "from which the padding its pages must skip cannot be read")
+        return cache  # its own cache code: a paged slot appends and reads every position back (PagedCacheLayer.update)
     return _OwnCodeBinding(layer, bind_cache(layer, cache, attention_mask, fallback), own)
 
 

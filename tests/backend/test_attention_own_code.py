@@ -130,6 +130,7 @@ def test_no_attention_weights_escape_as_placeholders():
     ("bloom", "masks its attention scores other than causally"),  # ALiBi
     ("git", "masks its attention scores other than causally"),  # the image prefix attends both ways
     ("prophetnet", "applies einsum"),  # n-gram attention
+    ("cpmant", "3-D attention mask"),  # segment masks and a relative-position bias
 ])
 def test_what_the_kernel_cannot_compute_is_left_with_the_reason(family, reason):
     model, reference = _build(family)
@@ -148,8 +149,9 @@ def test_cross_attention_is_left(family):
     assert all(path.endswith("self_attn") for path in _own_code_modules(model))
 
 
-def test_unverified_modules_it_cannot_compute_fall_back_to_their_own_attention(caplog):
-    model, reference = _build("bloom")
+@pytest.mark.parametrize("family", ["bloom", "cpmant"])  # ALiBi; a 3-D mask (no padding to read on write)
+def test_unverified_modules_it_cannot_compute_fall_back_to_their_own_attention(family, caplog):
+    model, reference = _build(family)
     assert enable_paged_attention(model)
     ids, mask = _padded()
     kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
@@ -158,7 +160,8 @@ def test_unverified_modules_it_cannot_compute_fall_back_to_their_own_attention(c
         again = model.generate(ids, **kwargs)
         want = reference.generate(ids, **kwargs)
     assert torch.equal(got, want) and torch.equal(again, want)
-    assert "runs its own attention over K/V read back from the pages" in caplog.text
+    if family == "bloom":  # found unrecognised while running (cpmant's mask is refused before)
+        assert "runs its own attention over K/V read back from the pages" in caplog.text
 
 
 def test_save_and_load_keep_the_original_keys(tmp_path):
