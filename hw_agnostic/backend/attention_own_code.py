@@ -105,6 +105,8 @@ class _OwnState:
 
 @dataclasses.dataclass(eq=False)
 class _StrictUntilReleased(Change):
+    """The change of an own-code module: releasing it (verification is over) makes the module lenient."""
+
     own: Optional[_OwnState] = None
 
     def release(self) -> None:
@@ -177,7 +179,8 @@ class _OwnCodeAttention:
 @functools.lru_cache(maxsize=None)
 def _own_code_class(layer: type, base: type) -> type:
     return type(f"Paged{base.__name__}", (_OwnCodeAttention, layer, base), {
-        "_hw_agnostic_base": base, "__module__": layer.__module__, "_hw_agnostic_release": staticmethod(release_own_code),
+        "_hw_agnostic_base": base, "__module__": layer.__module__,
+        "_hw_agnostic_release": staticmethod(release_own_code),
         "__doc__": f"{base.__name__} with its K/V in a paged cache and its own attention code run by paged_attention.",
     })
 
@@ -187,7 +190,8 @@ def _bind_own_code(layer: PagedAttention, cache: Any, attention_mask: Any, fallb
     # a module that never passes kwargs to update cannot use a continuous-batching cache's pages
     if isinstance(cache, _cache_classes()[2]) or own.unrecognised is not None or torch.compiler.is_compiling():
         fallback = True
-    if isinstance(attention_mask, Tensor) and attention_mask.dim() not in (2, 4) and isinstance(cache, _cache_classes()[0]):
+    unreadable = isinstance(attention_mask, Tensor) and attention_mask.dim() not in (2, 4)
+    if unreadable and isinstance(cache, _cache_classes()[0]):
         if own.strict:
             raise UnrecognisedAttention(f"{type(layer).__name__} is given a {attention_mask.dim()}-D attention mask, "
                                         "from which the padding its pages must skip cannot be read")
@@ -288,7 +292,7 @@ def _name(func: Any) -> str:
 
 
 class _Interpreter(TorchFunctionMode):
-    """Follows the module's attention code from the placeholders ``cache.update`` returned (see the module docstring)."""
+    """Follows the module's attention code from the placeholders ``cache.update`` returned (module docstring)."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
@@ -466,13 +470,13 @@ class _Interpreter(TorchFunctionMode):
             dtype = self._cast_dtype(name, args, kwargs)
             if dtype is None:
                 self.fail(f"casts its attention {'probabilities' if scores.probabilities else 'scores'} oddly")
-            return self._derived(scores, dataclasses.replace(scores, dtype=dtype), tensor, dtype)
+            return self._derived(dataclasses.replace(scores, dtype=dtype), tensor, dtype)
         if name == "softmax":
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
             dtype = kwargs.get("dtype") or (args[3] if len(args) > 3 else None) or scores.dtype
             if scores.probabilities or dim is None or dim % tensor.dim() != tensor.dim() - 1:
                 self.fail("takes a softmax other than over the keys")
-            return self._derived(scores, dataclasses.replace(scores, probabilities=True, dtype=dtype), tensor, dtype)
+            return self._derived(dataclasses.replace(scores, probabilities=True, dtype=dtype), tensor, dtype)
         if scores.probabilities:
             self.fail(f"applies {name} to its attention probabilities")
         if name in _SCALES and len(args) == 2 and not kwargs:
@@ -483,7 +487,7 @@ class _Interpreter(TorchFunctionMode):
                 factor = 1.0 / factor
             updated = dataclasses.replace(scores, scale=scores.scale * factor,
                                           biases=[(b, c * factor) for b, c in scores.biases])
-            return self._derived(scores, updated, tensor, scores.dtype, in_place)
+            return self._derived(updated, tensor, scores.dtype, in_place)
         if name in _ADDS and len(args) == 2 and kwargs.get("alpha", 1) == 1:
             if not isinstance(other, Tensor) or self._meaning(other) is not None:
                 self.fail("adds something other than a mask tensor to its attention scores")
@@ -492,14 +496,15 @@ class _Interpreter(TorchFunctionMode):
                 self.fail(f"adds a {tuple(other.shape)} tensor to {shape} attention scores")
             bias = other.expand(shape).reshape(scores.shape(False)) if scores.flat else other
             updated = dataclasses.replace(scores, biases=[*scores.biases, (bias, 1.0)])
-            return self._derived(scores, updated, tensor, scores.dtype, in_place)
+            return self._derived(updated, tensor, scores.dtype, in_place)
         if name in ("max", "maximum", "clamp", "clamp_min") and len(args) == 2 and not kwargs:
             floor = self._number(other)
             if floor is not None and floor <= torch.finfo(scores.dtype).min / 2:
                 return tensor  # lifts -inf to the dtype's lowest value: hidden keys stay hidden
         self.fail(f"applies {name} to its attention scores")
 
-    def _derived(self, old: _Scores, new: _Scores, tensor: Tensor, dtype: torch.dtype, in_place: bool = False) -> Tensor:
+    def _derived(self, new: _Scores, tensor: Tensor, dtype: torch.dtype, in_place: bool = False) -> Tensor:
+        """``tensor`` changed to mean ``new``: itself for an in-place operation, else a new placeholder."""
         if in_place:
             self.symbols[id(tensor)] = (tensor, new)
             return tensor
@@ -536,9 +541,9 @@ class _Interpreter(TorchFunctionMode):
               dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
               enable_gqa: bool = False) -> Tensor:
         k, v = self._meaning(key), self._meaning(value)
-        if (not isinstance(k, _KV) or not isinstance(v, _KV) or k.role != "key" or v.role != "value" or k.step is not v.step
-                or k.flat or v.flat or k.transposed or v.transposed or self._meaning(query) is not None
-                or self._meaning(attn_mask) is not None):
+        plain = (isinstance(k, _KV) and isinstance(v, _KV) and k.role == "key" and v.role == "value"
+                 and k.step is v.step and not (k.flat or v.flat or k.transposed or v.transposed))
+        if not plain or self._meaning(query) is not None or self._meaning(attn_mask) is not None:
             self.fail("calls scaled_dot_product_attention with other than its cached keys and values")
         step = k.step
         if dropout_p:
