@@ -187,15 +187,19 @@ def _own_code_class(layer: type, base: type) -> type:
 
 def _bind_own_code(layer: PagedAttention, cache: Any, attention_mask: Any, fallback: bool) -> Any:
     own: _OwnState = layer.__dict__[_OWN]
-    # a module that never passes kwargs to update cannot use a continuous-batching cache's pages
-    if isinstance(cache, _cache_classes()[2]) or own.unrecognised is not None or torch.compiler.is_compiling():
-        fallback = True
+    if own.replay:  # the step is in the pages: the binding reads it back
+        return _OwnCodeBinding(layer, bind_cache(layer, cache, attention_mask, True), own)
+    plain_cache = isinstance(cache, _cache_classes()[0])
     unreadable = isinstance(attention_mask, Tensor) and attention_mask.dim() not in (2, 4)
-    if unreadable and isinstance(cache, _cache_classes()[0]):
-        if own.strict:
-            raise UnrecognisedAttention(f"{type(layer).__name__} is given a {attention_mask.dim()}-D attention mask, "
-                                        "from which the padding its pages must skip cannot be read")
-        return cache  # its own cache code: a paged slot appends and reads every position back (PagedCacheLayer.update)
+    if unreadable and plain_cache and own.strict:
+        raise UnrecognisedAttention(f"{type(layer).__name__} is given a {attention_mask.dim()}-D attention mask, "
+                                    "from which the padding its pages must skip cannot be read")
+    if plain_cache and (unreadable or own.unrecognised is not None):
+        # its own cache code: a paged slot stores every position and reads them back (PagedCacheLayer.update)
+        return cache
+    # a module that never passes kwargs to update cannot use a continuous-batching cache's pages
+    if not plain_cache or torch.compiler.is_compiling():
+        fallback = True
     return _OwnCodeBinding(layer, bind_cache(layer, cache, attention_mask, fallback), own)
 
 
@@ -215,12 +219,28 @@ class _OwnCodeBinding:
             return paged.read_with(key_states, value_states)
         keys, values = self.inner.update(key_states, value_states, layer_idx, *args, **kwargs)
         batch, state.pending = state.pending, None
+        paged = self._paged_layer(layer_idx)
+        if paged is None or paged.store is None:
+            return keys, values  # a slot pages cannot hold: the cache's own K/V
+        store, q_len = paged.store, key_states.shape[2]
+        mask = getattr(self.inner, "attention_mask", None)
+        if not store.share.once(("own-code padding", mask, store.real, store.seen, q_len),
+                                lambda: _padding_read_agrees(mask, store, q_len), versioned=True):
+            # the padding the step was written with was read from a mask that is no causal padding
+            # mask (ALiBi folded in, a bidirectional prefix): the step is taken back out of the pages
+            store.crop(q_len)
+            why = (f"{type(self.layer).__name__} is given an attention mask that is not causal over its "
+                   "cached tokens (e.g. ALiBi folded in, a window or a bidirectional prefix), so neither the "
+                   "padding its pages must skip nor its attention can be read from it")
+            if self.own.strict:
+                raise UnrecognisedAttention(why)
+            self.own.unrecognised = why
+            log.warning("hw_agnostic: %s; it runs its own attention over K/V read back from the pages", why)
+            return paged.update(key_states, value_states)
         interpreter = self.own.interpreter
         if not isinstance(batch, PagedBatch) or interpreter is None:
-            return keys, values  # the fallback path (or a slot pages cannot hold): every position's K/V
-        paged = self._paged_layer(layer_idx)
-        assert paged is not None and paged.store is not None
-        return interpreter.start(batch, paged.store, key_states, value_states)
+            return keys, values  # the fallback path: every position's K/V, read back from the pages
+        return interpreter.start(batch, store, key_states, value_states)
 
     def _paged_layer(self, layer_idx: Any) -> Any:
         index = getattr(self.layer, "layer_idx", None) if layer_idx is None else layer_idx
@@ -587,6 +607,17 @@ class _Interpreter(TorchFunctionMode):
                       "relative-position bias, a window, a bidirectional prefix, or no causal mask)")
 
 
+def _padding_read_agrees(mask: Any, store: Any, q_len: int) -> bool:
+    """Whether the padding read from a 4-D ``mask`` on write (its diagonal) is the mask's padding: the
+    mask must be the kernel's causal, padding-hiding one over the positions the pages have seen."""
+    if not isinstance(mask, Tensor) or mask.dim() != 4:
+        return True  # none, or a 2-D padding mask: read as it is
+    if mask.shape[-1] != store.seen or mask.shape[-2] != q_len:
+        return False
+    additive = torch.where(mask, 0.0, float("-inf")) if mask.dtype == torch.bool else mask
+    return _masks_agree([(additive, 1.0)], store.real, store.seen, q_len, store.batch_size, mask.device)
+
+
 def _masks_agree(biases: list[tuple[Tensor, float]], real: Optional[Tensor], seen: int, q_len: int,
                  batch_size: int, device: torch.device) -> bool:
     past = seen - q_len
@@ -602,6 +633,11 @@ def _masks_agree(biases: list[tuple[Tensor, float]], real: Optional[Tensor], see
     for bias, coefficient in biases:
         total = total + bias.float() * coefficient
     total = torch.broadcast_to(total, torch.broadcast_shapes(total.shape, (batch_size, 1, q_len, seen)))
-    allowed, queries = allowed[:, None], queries[:, None, :, None]
-    visible_ok = torch.where(allowed, total == 0, total <= _HIDDEN)
-    return bool(torch.where(queries, visible_ok, True).all())
+    # a real query sees exactly its causal, unpadded keys
+    rows_ok = torch.where(allowed[:, None], total == 0, total <= _HIDDEN).all(-1)  # [B, H, q]
+    # and a query the pages take for padding hides its own position: the padding read on write
+    # (from the mask's diagonal) must be the padding of the mask the module applies, not a bias
+    # that merely moved the diagonal off zero (ALiBi folded into the mask, say)
+    steps = torch.arange(q_len, device=device)
+    own_hidden = total[:, :, steps, past + steps] <= _HIDDEN  # [B, H, q]
+    return bool(torch.where(queries[:, None], rows_ok, own_hidden).all())

@@ -38,8 +38,8 @@ SERVED = {
 }
 
 
-def _build(family: str, attn_implementation: str = "eager"):
-    config = tiny_config(family.removesuffix("-eager"))
+def _build(family: str, attn_implementation: str = "eager", **overrides):
+    config = tiny_config(family.removesuffix("-eager"), **overrides)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
     return model, copy.deepcopy(model)
@@ -126,9 +126,18 @@ def test_no_attention_weights_escape_as_placeholders():
     assert weights is None and torch.isfinite(output).all()
 
 
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_falcon_with_alibi_is_left(implementation):
+    model, _ = _build("falcon", implementation, alibi=True)
+    report = rewire(model)
+    left = _left(report, "UnrecognisedAttention")
+    assert len(left) == 2 and all("not causal over its cached tokens" in e.detail for e in left), report.table()
+    assert not _own_code_modules(model) and report.verification.undone == 2
+
+
 @pytest.mark.parametrize("family, reason", [
     ("bloom", "masks its attention scores other than causally"),  # ALiBi
-    ("git", "masks its attention scores other than causally"),  # the image prefix attends both ways
+    ("git", "not causal over its cached tokens"),  # the image prefix attends both ways
     ("prophetnet", "applies einsum"),  # n-gram attention
     ("cpmant", "3-D attention mask"),  # segment masks and a relative-position bias
 ])
@@ -149,9 +158,16 @@ def test_cross_attention_is_left(family):
     assert all(path.endswith("self_attn") for path in _own_code_modules(model))
 
 
-@pytest.mark.parametrize("family", ["bloom", "cpmant"])  # ALiBi; a 3-D mask (no padding to read on write)
-def test_unverified_modules_it_cannot_compute_fall_back_to_their_own_attention(family, caplog):
-    model, reference = _build(family)
+@pytest.mark.parametrize("family, implementation, overrides", [
+    ("bloom", "eager", {}),  # ALiBi added to the scores
+    ("cpmant", "eager", {}),  # a 3-D mask: no padding to read on write
+    ("falcon", "sdpa", {"alibi": True}),  # ALiBi folded into the mask: padding misread from it is taken back
+    ("falcon", "eager", {"alibi": True}),
+    ("git", "eager", {}),  # a bidirectional image prefix
+])
+def test_unverified_modules_it_cannot_compute_fall_back_to_their_own_attention(family, implementation, overrides,
+                                                                                caplog):
+    model, reference = _build(family, implementation, **overrides)
     assert enable_paged_attention(model)
     ids, mask = _padded()
     kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
@@ -160,7 +176,7 @@ def test_unverified_modules_it_cannot_compute_fall_back_to_their_own_attention(f
         again = model.generate(ids, **kwargs)
         want = reference.generate(ids, **kwargs)
     assert torch.equal(got, want) and torch.equal(again, want)
-    if family == "bloom":  # found unrecognised while running (cpmant's mask is refused before)
+    if family != "cpmant":  # found unrecognised while running (cpmant's mask is refused before)
         assert "runs its own attention over K/V read back from the pages" in caplog.text
 
 
@@ -196,6 +212,10 @@ def test_masks_agree_only_with_the_kernels_causal_and_padding_rule():
     assert not _masks_agree([], None, 6, 6, 2, torch.device("cpu"))  # no mask: not causal
     alibi = torch.arange(6.0).expand(2, 4, 1, 6)
     assert not _masks_agree([(_causal(2, 6, 6), 1.0), (alibi, 1.0)], None, 6, 6, 2, torch.device("cpu"))
+    # ALiBi folded into the mask moves its diagonal off zero, so reading padding from it marks real
+    # tokens as padding; those queries must not be skipped by the check
+    misread = torch.eye(6, dtype=torch.bool)[0].expand(2, 6)
+    assert not _masks_agree([(_causal(2, 6, 6) + alibi, 1.0)], misread, 6, 6, 2, torch.device("cpu"))
 
 
 def test_enabling_can_be_undone():
