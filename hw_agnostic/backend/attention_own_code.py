@@ -500,7 +500,7 @@ class _Interpreter(TorchFunctionMode):
         if scores.probabilities:
             self.fail(f"applies {name} to its attention probabilities")
         if name in _SCALES and len(args) == 2 and not kwargs:
-            factor = self._number(other)
+            factor = None if self._meaning(other) is not None else self._number(other)
             if factor is None or factor <= 0 or not math.isfinite(factor):
                 self.fail(f"scales its attention scores by {other!r}")
             if "div" in name:
