@@ -38,6 +38,10 @@ kernel:
 * no cache (``use_cache=False``): the module's cache code does not run (as in transformers); the
   attention function pages the K/V it receives for that one forward.
 
+Modules that write the cache but compute attention in their own code (``bmm`` / ``matmul`` and
+``softmax``, or their own SDPA call) are served by interpreting that code onto the same kernel:
+:mod:`hw_agnostic.backend.attention_own_code`.
+
 The model's own ``config._attn_implementation`` is left alone (continuous batching accepts only
 ``sdpa``/``eager``/flash there); each swapped module dispatches from a copy of the config naming
 the ``hw_agnostic_paged`` attention function, which is also registered in ``AttentionInterface``

@@ -226,3 +226,25 @@ def test_enabling_can_be_undone():
     for path in paths:
         module, original = model.get_submodule(path), reference.get_submodule(path)
         assert type(module) is type(original) and set(vars(module)) == set(vars(original))
+
+
+@pytest.mark.dsl
+@pytest.mark.parametrize("family, implementation", [("xglm", "eager"), ("falcon", "sdpa")])
+def test_interpreted_attention_on_the_kernels(family, implementation):
+    from hw_agnostic.ops.paged_attention import paged_attention_op
+    from hw_agnostic.ops.write_kv_cache import write_kv_cache_op
+    from tests.harness import dsl_providers
+
+    model, reference = _build(family, implementation)
+    ids, mask = _padded()
+    kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = reference.generate(ids, **kwargs)
+    enable_paged_attention(model)
+    for provider in dsl_providers(paged_attention_op):
+        with torch.no_grad(), ops.use_provider(provider, paged_attention_op, write_kv_cache_op), \
+                ops.trace_dispatch() as record:
+            got = model.generate(ids, **kwargs)
+        assert torch.equal(got, want)
+        assert {(plan.op, plan.provider) for plan in record} == {("paged_attention", provider),
+                                                                ("write_kv_cache", provider)}
