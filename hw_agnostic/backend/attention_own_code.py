@@ -31,7 +31,13 @@ The fallbacks of the modern path hold unchanged: training, gradients and recorde
 weights run the module's own attention over K/V read back from the pages; a forward without a
 cache runs the module's own code untouched; a continuous-batching cache gathers K/V through its
 own ``update``. Cross-attention calls (``key_value_states`` / ``encoder_hidden_states`` given)
-run the module's own forward with the original cache.
+run the module's own forward with the original cache. Inside a compiled model the module runs
+eagerly (a graph break: a traced graph cannot follow placeholders by identity).
+
+Before a step's placeholders are handed out, the padding read from a 4-D mask on write is checked
+against that mask (causal, padding hidden, each padded query hiding its own position): a mask with
+ALiBi folded in, say, would make real tokens read as padding. Such a step is taken back out of the
+pages, and the module keeps its own cache code and attention (or, while verified, is refused).
 """
 
 from __future__ import annotations
@@ -140,6 +146,9 @@ def release_own_code(module: nn.Module) -> nn.Module:
 class _OwnCodeAttention:
     """Mixed in before the paged layer: runs the module's forward with its attention interpreted."""
 
+    # A traced graph cannot follow placeholders by identity: inside a compiled model the module runs
+    # eagerly (a graph break), interpreted as it is outside one.
+    @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state: _PagedState = self.__dict__[_STATE]
         own: _OwnState = self.__dict__[_OWN]
@@ -147,8 +156,7 @@ class _OwnCodeAttention:
         arguments.update(kwargs)
         if any(arguments.get(name) is not None for name in _CROSS_ARGUMENTS):
             return state.base_forward(self, *args, **kwargs)  # cross-attention: the module as it was
-        if own.unrecognised is not None or torch.compiler.is_compiling():
-            # a traced graph cannot follow placeholders by identity: the module's own attention
+        if own.unrecognised is not None:
             return self._replayed(own, args, kwargs, replay=False)
         interpreter = own.interpreter = _Interpreter(self)
         try:
@@ -198,7 +206,7 @@ def _bind_own_code(layer: PagedAttention, cache: Any, attention_mask: Any, fallb
         # its own cache code: a paged slot stores every position and reads them back (PagedCacheLayer.update)
         return cache
     # a module that never passes kwargs to update cannot use a continuous-batching cache's pages
-    if not plain_cache or torch.compiler.is_compiling():
+    if not plain_cache:
         fallback = True
     return _OwnCodeBinding(layer, bind_cache(layer, cache, attention_mask, fallback), own)
 

@@ -248,3 +248,17 @@ def test_interpreted_attention_on_the_kernels(family, implementation):
         assert torch.equal(got, want)
         assert {(plan.op, plan.provider) for plan in record} == {("paged_attention", provider),
                                                                 ("write_kv_cache", provider)}
+
+
+def test_compiled_forward_in_generate():
+    """Inside a compiled model the module runs eagerly (a graph break), still on the kernel."""
+    model, reference = _build("xglm")
+    rewire(model)
+    ids, mask = _padded()
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    model.forward = torch.compile(model.forward)
+    with torch.no_grad(), ops.trace_dispatch() as record:
+        got = model.generate(ids, **kwargs)
+    with torch.no_grad():
+        assert torch.equal(got, reference.generate(ids, **kwargs))
+    assert sum(plan.op == "paged_attention" for plan in record) == 4 * 2
