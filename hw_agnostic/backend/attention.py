@@ -38,6 +38,10 @@ kernel:
 * no cache (``use_cache=False``): the module's cache code does not run (as in transformers); the
   attention function pages the K/V it receives for that one forward.
 
+Modules that write the cache but compute attention in their own code (``bmm`` / ``matmul`` and
+``softmax``, or their own SDPA call) are served by interpreting that code onto the same kernel:
+:mod:`hw_agnostic.backend.attention_own_code`.
+
 The model's own ``config._attn_implementation`` is left alone (continuous batching accepts only
 ``sdpa``/``eager``/flash there); each swapped module dispatches from a copy of the config naming
 the ``hw_agnostic_paged`` attention function, which is also registered in ``AttentionInterface``
@@ -543,7 +547,7 @@ def attention_refusal(module: nn.Module) -> str | None:
     if not dispatches and not writes or not any(True for _ in module.parameters()):
         return NOT_ATTENTION
     if not dispatches:
-        return "writes the cache but computes attention in its own code (not through ALL_ATTENTION_FUNCTIONS)"
+        return OWN_CODE
     if not writes:
         return "dispatches attention but never writes a KV cache (an encoder, or a vision/audio tower)"
     if not hasattr(module, "config"):
@@ -557,6 +561,8 @@ def attention_refusal(module: nn.Module) -> str | None:
 
 
 NOT_ATTENTION = "not an attention module"
+#: served by :mod:`hw_agnostic.backend.attention_own_code` where its attention code is recognised
+OWN_CODE = "writes the cache but computes attention in its own code (not through ALL_ATTENTION_FUNCTIONS)"
 #: ``cache.update(k, v, <...>layer_idx, ...)``: a forward that writes K/V into a cache layer
 _WRITES_KV = re.compile(r"\.update\(\s*[\w.\[\]]+\s*,\s*[\w.\[\]]+\s*,\s*[\w.]*(layer_idx|idx)")
 
@@ -579,6 +585,13 @@ def paging_changes(model: nn.Module, *, block_size: int = 16) -> tuple[list[Chan
         if not path:
             continue
         reason = attention_refusal(module)
+        if reason == OWN_CODE:  # its own attention code may still be interpreted onto the kernel
+            from .attention_own_code import own_code_change, own_code_refusal
+
+            reason = own_code_refusal(path, module)
+            if reason is None:
+                changes.append(own_code_change(path, module, block_size))
+                continue
         if reason is not None:
             if reason != NOT_ATTENTION:
                 left.append((path, module, reason))
@@ -689,7 +702,7 @@ def disable_paged_attention(model: nn.Module) -> list[str]:
     restored = []
     for path, module in list(model.named_modules()):
         if isinstance(module, PagedAttention):
-            PagedAttention.release(module)
+            getattr(type(module), "_hw_agnostic_release", PagedAttention.release)(module)
             restored.append(path)
         handle = _hooks.pop(module, None)
         if handle is not None:
