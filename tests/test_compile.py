@@ -71,6 +71,38 @@ def test_compile_with_inductor():
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.slow
+def test_fusable_ops_are_fused_by_inductor_where_no_kernel_runs():
+    """Dynamo's graph keeps a ``torch.ops.hw_agnostic`` node either way; where no kernel can run
+    (the CPU outside the interpreters) it is the ``fusable`` overload, which Inductor compiles
+    into its own fused code, and where one may run it stays a call of the op."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.utils import run_and_get_code
+
+    def norm_then_act(x, residual, weight):
+        normed, summed = ops.fused_add_rms_norm(x, residual, weight)
+        return ops.silu_and_mul(torch.cat([normed, summed], -1)) * 2.0
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm.code)
+        return compile_fx(gm, example_inputs)
+
+    kernel = ops.get_op("rms_norm").kernel_may_run(kernel_device() or "cpu")
+    device = kernel_device() or "cpu"
+    args = _inputs(4, device)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(norm_then_act, fullgraph=True, backend=record)(*args), norm_then_act(*args))
+    overload = "default" if kernel else "fusable"
+    for name in ("fused_add_rms_norm", "silu_and_mul"):
+        assert f"torch.ops.hw_agnostic.{name}.{overload}(" in graphs[0], graphs[0]
+    torch._dynamo.reset()
+    _, code = run_and_get_code(torch.compile(norm_then_act, fullgraph=True), *args)
+    calls = [line for line in code[0].splitlines() if "= torch.ops.hw_agnostic." in line]
+    assert bool(calls) == kernel, calls
+
+
 @pytest.mark.parametrize("name", ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_and_mul", "swiglu_oai"])
 def test_differentiable_ops_backpropagate_through_their_reference(name):
     """The kernel runs forward; the backward is the reference's, so gradients match autograd's."""

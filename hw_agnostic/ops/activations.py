@@ -195,16 +195,17 @@ def _example(tokens: int, inter: int, dtype: torch.dtype, device: str) -> tuple:
 silu_and_mul_op = Op(
     "silu_and_mul", silu_and_mul_reference, check=check_silu_and_mul, key=silu_and_mul_key,
     providers=[_HELION], example_inputs=_example, compiled_reference=_lean_reference, differentiable=True,
+    fusable=True,
 )
 gelu_and_mul_op = Op(
     "gelu_and_mul", gelu_and_mul_reference, check=check_gelu_and_mul, key=gelu_and_mul_key,
     providers=[_HELION], example_inputs=lambda *a: (*_example(*a), "tanh"), compiled_reference=_lean_reference,
-    differentiable=True,
+    differentiable=True, fusable=True,
 )
 swiglu_oai_op = Op(
     "swiglu_oai", swiglu_oai_reference, check=check_swiglu_oai, key=swiglu_oai_key,
     providers=[_HELION], example_inputs=lambda *a: (*_example(*a), 1.702, 7.0, True),
-    compiled_reference=_lean_reference, differentiable=True,
+    compiled_reference=_lean_reference, differentiable=True, fusable=True,
 )
 
 

@@ -227,7 +227,7 @@ gated_rms_norm_op = Op(
         "helion", _build, interpreters=frozenset({"triton", "helion"}), accepts=_helion_accepts,
         kernel=kernels.GATED_RMS_NORM, tuning_key=_tuning_key, available=helion_available,
     )],
-    example_inputs=_example, differentiable=True,
+    example_inputs=_example, differentiable=True, fusable=True,
 )
 
 

@@ -353,14 +353,14 @@ def _example_fused(tokens: int, hidden: int, dtype: torch.dtype, device: str) ->
 layer_norm_op = Op(
     "layer_norm", layer_norm_reference, check=check_layer_norm, key=layer_norm_key,
     providers=[_helion(_build_layer_norm, kernels.LAYER_NORM, _layer_norm_tuning_key)],
-    example_inputs=_example_layer_norm, differentiable=True,
+    example_inputs=_example_layer_norm, differentiable=True, fusable=True,
 )
 fused_add_layer_norm_op = Op(
     "fused_add_layer_norm", fused_add_layer_norm_reference, check=check_fused_add_layer_norm,
     key=fused_add_layer_norm_key,
     providers=[_helion(lambda k, c, a: _build_fused(k, c, a, inplace=False), kernels.FUSED_ADD_LAYER_NORM,
                        _fused_tuning_key)],
-    example_inputs=_example_fused, differentiable=True,
+    example_inputs=_example_fused, differentiable=True, fusable=True,
 )
 fused_add_layer_norm_inplace_op = Op(
     "fused_add_layer_norm_", fused_add_layer_norm_inplace_reference, check=check_fused_add_layer_norm_inplace,

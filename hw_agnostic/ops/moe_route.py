@@ -225,7 +225,7 @@ def _example_route(tokens: int, width: int, dtype: torch.dtype, device: str) -> 
 moe_route_op = Op(
     "moe_route", moe_route_reference, check=check_moe_route, key=moe_route_key,
     providers=[helion_provider(_build_route, _route_accepts, kernels.MOE_ROUTE, _route_tuning_key)],
-    example_inputs=_example_route, compiled_reference=_lean_reference,
+    example_inputs=_example_route, compiled_reference=_lean_reference, fusable=True,
 )
 
 

@@ -101,6 +101,15 @@ class Provider:
         return (call.device in TARGET_MODE_DEVICES and "triton" in self.interpreters
                 and targets.active_mode() is not None)
 
+    def may_run_on(self, device: str) -> bool:
+        """Whether this provider could take some call on ``device`` (device, interpreter, target
+        mode and availability alone; the key's other fields may still refuse a call)."""
+        by_device = (device in self.devices
+                     or (device == "cpu" and interpreter_mode() in self.interpreters)
+                     or (device in TARGET_MODE_DEVICES and "triton" in self.interpreters
+                         and targets.active_mode() is not None))
+        return by_device and self.available() is None
+
     def why_not(self, call: Any) -> str | None:
         """None when this provider can run a call with this key, else the reason."""
         if call.device not in self.devices and not self.compiles_for_targets(call):
@@ -165,6 +174,7 @@ class Op:
         compiled_reference: Callable[[str, Callable[..., Any]], Callable[..., Any]] | None = None,
         fake: Callable[..., Any] | None = None,
         differentiable: bool = False,
+        fusable: bool = False,
     ) -> None:
         if name in _ops:
             raise ValueError(f"op {name!r} is already registered")
@@ -190,6 +200,7 @@ class Op:
         # Plans of calls made inside another op under that op's forcing (see run_inside).
         self._inherited_plans: dict[tuple[str, Any], Plan] = {}
         self.torch_op = self._register_custom_op()
+        self.fusable_op = self._register_fusable_overload() if fusable else None
         _ops[name] = self
 
     # -- custom op ------------------------------------------------------------------------------
@@ -217,6 +228,29 @@ class Op:
             _register_reference_backward(custom, self.reference)
         return getattr(torch.ops.hw_agnostic, self.name).default
 
+    def kernel_may_run(self, device: torch.device | str) -> bool:
+        """Whether a provider other than the reference could run a call on ``device`` here (or one is forced)."""
+        forced = forced_provider(self.name)
+        if forced is not None:
+            return forced[0] != "reference"
+        device = torch.device(device).type
+        return any(p.may_run_on(device) for p in self.providers if p.name != "reference")
+
+    def _register_fusable_overload(self) -> Any:
+        """``torch.ops.hw_agnostic.<name>.fusable``: the op as its reference's tensor code
+        (``CompositeImplicitAutograd``), for graphs where no kernel can take the call.
+
+        Dynamo's graph keeps a ``torch.ops.hw_agnostic`` node, and AOTAutograd decomposes it
+        into the reference, which Inductor fuses with its neighbours (a residual add into the
+        norm, the activation into the projection's epilogue): the custom op there would be an
+        eager call of the same reference that nothing can fuse across."""
+        if self.mutates_args:
+            raise ValueError(f"op {self.name!r} mutates its arguments; only functional ops are fusable")
+        schema = torch.library.infer_schema(self.reference, mutates_args=())
+        _library().define(f"{self.name}.fusable{schema}")
+        _library().impl(f"{self.name}.fusable", self.reference, "CompositeImplicitAutograd")
+        return getattr(torch.ops.hw_agnostic, self.name).fusable
+
     # -- dispatch -------------------------------------------------------------------------------
 
     def __call__(self, *args: Any) -> Any:
@@ -228,6 +262,9 @@ class Op:
         ):
             # Traced graphs (dynamo, fx, make_fx) see the custom op; autograd sees its backward
             # (differentiable ops) or an op without a derivative, which raises on backward.
+            if (self.fusable_op is not None and torch.compiler.is_compiling()
+                    and not _kernel_may_run(self.name, args[0].device.type)):
+                return self.fusable_op(*args)
             if torch.is_grad_enabled() and any(_requires_grad((args[i],)) for i in self._mutated_positions):
                 raise RuntimeError(
                     f"{self.name} writes {', '.join(self.mutates_args)} in place and has no backward, but an argument "
@@ -551,6 +588,22 @@ def compile_reference_enabled() -> bool:
 #: Each op's compiled references. They survive :func:`reset` (configs and modes do not change
 #: what a reference computes, and recompiling costs seconds), unless it is asked to drop them.
 _compiled_references: list[dict[Any, Callable[..., Any]]] = []
+
+
+_fusable_library: list[torch.library.Library] = []
+
+
+def _library() -> torch.library.Library:
+    """The library fragment holding the ``fusable`` overloads."""
+    if not _fusable_library:
+        _fusable_library.append(torch.library.Library("hw_agnostic", "FRAGMENT"))
+    return _fusable_library[0]
+
+
+@torch.compiler.assume_constant_result
+def _kernel_may_run(op_name: str, device: str) -> bool:
+    """:meth:`Op.kernel_may_run`, evaluated once while Dynamo traces (a constant of the graph)."""
+    return _ops[op_name].kernel_may_run(device)
 
 
 def _reference_provider(op: Op) -> Provider:

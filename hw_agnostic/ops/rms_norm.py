@@ -292,12 +292,12 @@ def _example_fused(tokens: int, hidden: int, dtype: torch.dtype, device: str) ->
 rms_norm_op = Op(
     "rms_norm", rms_norm_reference, check=check_rms_norm, key=rms_norm_key,
     providers=[_helion(_build_rms_norm, kernels.RMS_NORM)], example_inputs=_example_rms_norm,
-    compiled_reference=lean_compiled_reference, differentiable=True,
+    compiled_reference=lean_compiled_reference, differentiable=True, fusable=True,
 )
 fused_add_rms_norm_op = Op(
     "fused_add_rms_norm", fused_add_rms_norm_reference, check=check_fused_add_rms_norm, key=fused_add_rms_norm_key,
     providers=[_helion(lambda k, c, a: _build_fused(k, c, a, inplace=False), kernels.FUSED_ADD_RMS_NORM)],
-    example_inputs=_example_fused, compiled_reference=lean_compiled_reference, differentiable=True,
+    example_inputs=_example_fused, compiled_reference=lean_compiled_reference, differentiable=True, fusable=True,
 )
 fused_add_rms_norm_inplace_op = Op(
     "fused_add_rms_norm_", fused_add_rms_norm_inplace_reference, check=check_fused_add_rms_norm_inplace,
