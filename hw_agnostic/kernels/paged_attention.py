@@ -35,7 +35,8 @@ Split-KV (flash-decoding): with ``num_splits > 1`` the grid gains a split dimens
 of a sequence covers keys ``[k * c, (k + 1) * c)`` with ``c = ceil(kv_len / num_splits)`` computed
 on the device from ``kv_len`` (so a CUDA graph captured once stays right as sequences grow), and
 writes its normalised partial output and log-sum-exp; :func:`_merge_splits` combines the splits
-(and the sink) per row. When to split is decided by :func:`choose_num_splits` (see there).
+(and the sink) per row. When to split is decided by :func:`choose_num_splits` (see there), per
+call, from the batch's Python-int sizes and the device's SM count.
 
 Every address that comes from data (block ids, slots, row offsets) is clamped or masked into its
 tensor, so malformed metadata gives wrong numbers, never an out-of-bounds access; the op's

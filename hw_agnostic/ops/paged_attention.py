@@ -407,49 +407,72 @@ def _attention_tuning_key(key: AttentionKey) -> dict[str, object]:
 
 
 class _AttentionLaunch:
-    """Runs one plan: the one-pass kernel, or the split kernel and the merge."""
+    """Runs one plan: the one-pass kernel, or the split kernel and the merge.
+
+    With ``num_splits="auto"`` the split count is chosen per call, from the call's number of
+    sequences and its ``max_kv_len`` hint (Python ints: no device read) and the device's size, so
+    a decode that grows from 1k to 8k keys inside one key bucket gets the splits each length
+    needs; each variant (one-pass, split with a merge for that many splits) is compiled once.
+    """
 
     def __init__(self, key: AttentionKey, config: dict, args: tuple) -> None:
         splits, self.helion_config = kernels.split_launch_config(config)
-        q, k_cache, v_cache, block_table = args[:4]
-        max_kv_len = args[11]
-        if splits == "auto":
-            splits = kernels.choose_num_splits(
-                decode=key.decode, num_seqs=args[5].shape[0], num_kv_heads=key.num_kv_heads,
-                max_kv_len=max_kv_len if max_kv_len is not None else block_table.shape[1] * key.block_size,
-                programs=kernels.target_programs(q.device),
-            )
-        self.num_splits = int(splits)
-        if self.num_splits < 1:
+        if splits != "auto" and int(splits) < 1:
             raise ValueError(f"paged_attention: num_splits must be >= 1, got {splits}")
+        self.splits = splits
         self.key = key
         self.group = key.num_q_heads // key.num_kv_heads
+        q = args[0]
+        self.programs = kernels.target_programs(q.device)
         self.placeholder = torch.zeros(1, dtype=torch.float32, device=q.device)  # stands in for absent partials
         # No sinks: -inf logits, which join no softmax.
         self.no_sinks = torch.full((key.num_q_heads,), float("-inf"), dtype=torch.float32, device=q.device)
-        self.attention = kernels.paged_attention_kernel.compile(
-            self.helion_config, self._attention_args(*args), int64=key.int64
+        self._attention: dict[bool, Any] = {}
+        self._merges: dict[tuple, Any] = {}
+        self.num_splits = self.splits_for(args)
+        self._launches(args, self.num_splits)  # compiled now: the plan's first call pays for it
+
+    def splits_for(self, args: tuple) -> int:
+        if self.splits != "auto":
+            return int(self.splits)
+        block_table, kv_lens, max_kv_len = args[3], args[5], args[11]
+        return kernels.choose_num_splits(
+            decode=self.key.decode, num_seqs=kv_lens.shape[0], num_kv_heads=self.key.num_kv_heads,
+            max_kv_len=max_kv_len if max_kv_len is not None else block_table.shape[1] * self.key.block_size,
+            programs=self.programs,
         )
-        self.merge = None
-        if self.num_splits > 1:
-            launch_args = self._attention_args(*args)
-            packed = launch_args[13]
-            self.merge = kernels.merge_splits_kernel.compile(
-                kernels.merge_config(self.num_splits, packed), self._merge_args(launch_args), int64=key.int64
-            )
+
+    def _launches(self, args: tuple, num_splits: int) -> tuple[Any, Any]:
+        """The attention kernel and merge (None without splits) for ``num_splits``, compiled on first use."""
+        split = num_splits > 1
+        launch_args = self._attention_args(*args, num_splits=num_splits)
+        attention = self._attention.get(split)
+        if attention is None:
+            attention = self._attention[split] = kernels.paged_attention_kernel.compile(
+                self.helion_config, launch_args, int64=self.key.int64)
+        merge = None
+        if split:
+            merge_config = kernels.merge_config(num_splits, launch_args[13])
+            variant = tuple(merge_config["block_sizes"])
+            merge = self._merges.get(variant)
+            if merge is None:
+                merge = self._merges[variant] = kernels.merge_splits_kernel.compile(
+                    merge_config, self._merge_args(launch_args), int64=self.key.int64)
+        return attention, merge
 
     def _attention_args(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
         kv_lens: Tensor, scale: float, sliding_window: Optional[int], softcap: Optional[float],
         sinks: Optional[Tensor], max_q_len: Optional[int], max_kv_len: Optional[int], out: Tensor | None = None,
+        *, num_splits: int,
     ) -> tuple:
         tokens, heads, head_dim = q.shape
         num_seqs = kv_lens.shape[0]
         packed = (max_q_len if max_q_len is not None else tokens) * self.group
         if out is None:
             out = torch.zeros((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
-        if self.num_splits > 1:
-            shape = (num_seqs, self.key.num_kv_heads, self.num_splits, packed)
+        if num_splits > 1:
+            shape = (num_seqs, self.key.num_kv_heads, num_splits, packed)
             partial_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
             partial_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
         else:
@@ -458,8 +481,8 @@ class _AttentionLaunch:
             q.reshape(tokens * heads, head_dim), slot_view(k_cache), slot_view(v_cache), block_table, cu_seqlens_q,
             kv_lens, self.no_sinks if sinks is None else sinks, out.view(tokens * heads, head_dim),
             partial_out, partial_lse, float(scale), float(softcap) if softcap is not None else 1.0,
-            int(sliding_window) if sliding_window is not None else NO_WINDOW, packed, self.num_splits,
-            self.group, self.key.block_size, self.key.softcap, self.num_splits > 1,
+            int(sliding_window) if sliding_window is not None else NO_WINDOW, packed, num_splits,
+            self.group, self.key.block_size, self.key.softcap, num_splits > 1,
         )
 
     def _merge_args(self, launch_args: tuple) -> tuple:
@@ -470,10 +493,12 @@ class _AttentionLaunch:
         out = torch.zeros_like(q, memory_format=torch.contiguous_format)
         if q.shape[0] == 0 or args[5].shape[0] == 0 or args[10] == 0:
             return out  # no query rows to compute (an empty grid, which Helion's eager mode mishandles)
-        launch_args = self._attention_args(*args, out=out)
-        self.attention(*launch_args)
-        if self.merge is not None:
-            self.merge(*self._merge_args(launch_args))
+        self.num_splits = self.splits_for(args)
+        attention, merge = self._launches(args, self.num_splits)
+        launch_args = self._attention_args(*args, out=out, num_splits=self.num_splits)
+        attention(*launch_args)
+        if merge is not None:
+            merge(*self._merge_args(launch_args))
         return out
 
 

@@ -446,3 +446,22 @@ def test_a_decode_step_captures_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, step())
+
+
+@pytest.mark.dsl
+def test_auto_splits_are_chosen_per_call_from_the_context(device):
+    """One plan (one kv-length bucket), two contexts: each call gets the splits its length needs."""
+    op = paged_attention_op
+    launches = []
+    with ops.use_provider(dsl_providers(op)[0], op):
+        for kv_len, want_splits in ((1100, 3), (2000, 4)):  # both in the 2048 bucket; ceil(kv_len / 512) splits
+            q, k_cache, v_cache, table, cu, lens = example_paged_batch(
+                [1], [kv_len], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32,
+                device=device, spare_blocks=0)
+            args = (q, k_cache, v_cache, table, cu, lens, 0.25, None, None, None, 1, kv_len)
+            got = op(*args)
+            (plan,) = op.plans()
+            launches.append(plan.run)
+            assert plan.run.num_splits == want_splits
+            assert_close(got, op.reference(*args).double(), torch.float32)
+    assert launches[0] is launches[1]  # one plan served both calls
