@@ -129,7 +129,10 @@ def default_align_config(key: Mapping[str, Any]) -> Config:
         "block_pairs": block_pairs,
         "count": {"block_sizes": [min(next_power_of_2(buckets), 256 if interpreter_mode() == "triton" else 64)], "num_warps": 4,
                   "num_stages": 1},
-        "offsets": {"block_sizes": [16, 64 if interpreter_mode() == "triton" else 16], "num_warps": 4, "num_stages": 1},
+        # One program holds a [rows, buckets] tile: past 128 buckets (DeepSeek-V3's 257) more
+        # warps share it, or its registers spill.
+        "offsets": {"block_sizes": [16, 64 if interpreter_mode() == "triton" else 16],
+                    "num_warps": 8 if buckets > 128 else 4, "num_stages": 1},
         "scatter": {"num_warps": 4, "num_stages": 1},
     }
 
