@@ -1,9 +1,10 @@
 """Helion kernel for ``rotary_embedding``: queries and keys rotated in one launch.
 
-Layouts (the op module builds these views without copying): ``q`` ``[B, T, Hq, D]`` and ``k``
-``[B, T, Hk, D]``, any strides (Hugging Face's ``[B, H, T, D]`` queries are transposed views of
-the projection's ``[B, T, H, D]`` output); ``cos`` / ``sin`` ``[B, T, R]``, broadcast over the
-heads (a batch stride of 0 when one table serves every row); outputs laid out like ``q`` / ``k``.
+Layouts: the op's own, no views in between (each costs the host a microsecond): ``q``
+``[B, Hq, T, D]`` and ``k`` ``[B, Hk, T, D]``, any strides (Hugging Face's queries are transposed
+views of the projection's ``[B, T, H, D]`` output); ``cos`` / ``sin`` ``[B, T, R]``, broadcast over
+the heads (the op expands a table shared by several rows, batch stride 0); outputs laid out like
+``q`` / ``k``.
 The first ``R`` dims are rotated in the neox layout (halves ``x1 = x[:R/2]``, ``x2 = x[R/2:R]``),
 the others (partial rotary) are copied.
 
@@ -40,44 +41,44 @@ def _rotary_embedding(
     q_out: torch.Tensor,
     k_out: torch.Tensor,
 ) -> None:
-    batch, tokens, q_heads, head_dim = q.size()
-    k_heads = k.size(2)
+    batch, q_heads, tokens, head_dim = q.size()
+    k_heads = k.size(1)
     rotary = cos.size(2)
     half = rotary // 2
-    for tile_b, tile_t, tile_h in hl.tile([batch, tokens, q_heads]):
+    for tile_b, tile_h, tile_t in hl.tile([batch, q_heads, tokens]):
         for tile_d in hl.tile(half):
             second = tile_d.index + half
-            c1 = cos[tile_b, tile_t, tile_d].to(torch.float32)[:, :, None, :]
-            c2 = cos[tile_b, tile_t, second].to(torch.float32)[:, :, None, :]
-            s1 = sin[tile_b, tile_t, tile_d].to(torch.float32)[:, :, None, :]
-            s2 = sin[tile_b, tile_t, second].to(torch.float32)[:, :, None, :]
-            x1 = q[tile_b, tile_t, tile_h, tile_d].to(torch.float32)
-            x2 = q[tile_b, tile_t, tile_h, second].to(torch.float32)
+            c1 = cos[tile_b, tile_t, tile_d].to(torch.float32)[:, None, :, :]
+            c2 = cos[tile_b, tile_t, second].to(torch.float32)[:, None, :, :]
+            s1 = sin[tile_b, tile_t, tile_d].to(torch.float32)[:, None, :, :]
+            s2 = sin[tile_b, tile_t, second].to(torch.float32)[:, None, :, :]
+            x1 = q[tile_b, tile_h, tile_t, tile_d].to(torch.float32)
+            x2 = q[tile_b, tile_h, tile_t, second].to(torch.float32)
             a = (x1 * c1).to(q_out.dtype).to(torch.float32)
             b = (x2 * s1).to(q_out.dtype).to(torch.float32)
-            q_out[tile_b, tile_t, tile_h, tile_d] = (a - b).to(q_out.dtype)
+            q_out[tile_b, tile_h, tile_t, tile_d] = (a - b).to(q_out.dtype)
             a = (x2 * c2).to(q_out.dtype).to(torch.float32)
             b = (x1 * s2).to(q_out.dtype).to(torch.float32)
-            q_out[tile_b, tile_t, tile_h, second] = (a + b).to(q_out.dtype)
+            q_out[tile_b, tile_h, tile_t, second] = (a + b).to(q_out.dtype)
         for tile_p in hl.tile(rotary, head_dim):
-            q_out[tile_b, tile_t, tile_h, tile_p] = q[tile_b, tile_t, tile_h, tile_p]
-    for tile_b, tile_t, tile_h in hl.tile([batch, tokens, k_heads]):
+            q_out[tile_b, tile_h, tile_t, tile_p] = q[tile_b, tile_h, tile_t, tile_p]
+    for tile_b, tile_h, tile_t in hl.tile([batch, k_heads, tokens]):
         for tile_d in hl.tile(half):
             second = tile_d.index + half
-            c1 = cos[tile_b, tile_t, tile_d].to(torch.float32)[:, :, None, :]
-            c2 = cos[tile_b, tile_t, second].to(torch.float32)[:, :, None, :]
-            s1 = sin[tile_b, tile_t, tile_d].to(torch.float32)[:, :, None, :]
-            s2 = sin[tile_b, tile_t, second].to(torch.float32)[:, :, None, :]
-            x1 = k[tile_b, tile_t, tile_h, tile_d].to(torch.float32)
-            x2 = k[tile_b, tile_t, tile_h, second].to(torch.float32)
+            c1 = cos[tile_b, tile_t, tile_d].to(torch.float32)[:, None, :, :]
+            c2 = cos[tile_b, tile_t, second].to(torch.float32)[:, None, :, :]
+            s1 = sin[tile_b, tile_t, tile_d].to(torch.float32)[:, None, :, :]
+            s2 = sin[tile_b, tile_t, second].to(torch.float32)[:, None, :, :]
+            x1 = k[tile_b, tile_h, tile_t, tile_d].to(torch.float32)
+            x2 = k[tile_b, tile_h, tile_t, second].to(torch.float32)
             a = (x1 * c1).to(k_out.dtype).to(torch.float32)
             b = (x2 * s1).to(k_out.dtype).to(torch.float32)
-            k_out[tile_b, tile_t, tile_h, tile_d] = (a - b).to(k_out.dtype)
+            k_out[tile_b, tile_h, tile_t, tile_d] = (a - b).to(k_out.dtype)
             a = (x2 * c2).to(k_out.dtype).to(torch.float32)
             b = (x1 * s2).to(k_out.dtype).to(torch.float32)
-            k_out[tile_b, tile_t, tile_h, second] = (a + b).to(k_out.dtype)
+            k_out[tile_b, tile_h, tile_t, second] = (a + b).to(k_out.dtype)
         for tile_p in hl.tile(rotary, head_dim):
-            k_out[tile_b, tile_t, tile_h, tile_p] = k[tile_b, tile_t, tile_h, tile_p]
+            k_out[tile_b, tile_h, tile_t, tile_p] = k[tile_b, tile_h, tile_t, tile_p]
 
 
 rotary_embedding_kernel = HelionFunction(_rotary_embedding, memory_bound=True)
@@ -85,7 +86,7 @@ rotary_embedding_kernel = HelionFunction(_rotary_embedding, memory_bound=True)
 
 # --------------------------------------------------------------------------------------------
 # configs. Keys: {"dtype", "head_dim", "rotary_dim", "q_heads", "k_heads", "tokens"}. Block sizes:
-# the q loop's [batch, tokens, heads], its half-rotary and pass-through dims, then the k loop's.
+# the q loop's [batch, heads, tokens], its half-rotary and pass-through dims, then the k loop's.
 
 
 def _blocks(key: Mapping[str, Any], heads: int, budget: int) -> list[int]:
@@ -95,7 +96,7 @@ def _blocks(key: Mapping[str, Any], heads: int, budget: int) -> list[int]:
     block_t = min(next_power_of_2(max(int(key["tokens"]), 1)), max(1, budget // (block_h * block_d)))
     passed = int(key["head_dim"]) - int(key["rotary_dim"])
     block_p = min(next_power_of_2(max(passed, 1)), 1024)
-    return [1, block_t, block_h, block_d, block_p]
+    return [1, block_h, block_t, block_d, block_p]
 
 
 def default_rotary_embedding_config(key: Mapping[str, Any]) -> Config:
@@ -115,7 +116,7 @@ def rotary_embedding_candidates(key: Mapping[str, Any]) -> list[Config]:
     for budget in (256, 512, 1024, 2048, 4096):
         q_blocks = _blocks(key, int(key["q_heads"]), budget)
         k_blocks = _blocks(key, int(key["k_heads"]), budget)
-        if q_blocks[1] > tokens:
+        if q_blocks[2] > tokens:
             continue
         for warps in (1, 2, 4, 8):
             config = {"block_sizes": q_blocks + k_blocks, "num_warps": warps, "num_stages": 1}

@@ -167,22 +167,24 @@ def _tuning_key(key: RotaryKey) -> dict[str, object]:
             "q_heads": key.q_heads, "k_heads": key.k_heads}
 
 
-def _kernel_views(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor, k_out: Tensor) -> tuple:
-    """``[B, T, H, D]`` views of the heads, ``[B, T, R]`` tables (batch stride 0 when shared)."""
-    shape = (q.shape[0], *cos.shape[1:])
-    return (q.transpose(1, 2), k.transpose(1, 2), cos.expand(shape), sin.expand(shape),
-            q_out.transpose(1, 2), k_out.transpose(1, 2))
+def _per_row(table: Tensor, batch: int) -> Tensor:
+    """The kernel reads row ``b``'s table at ``table[b]``: one table shared by every row is expanded
+    (a view with batch stride 0; no view at all at batch 1, the decode step's)."""
+    return table if table.shape[0] == batch else table.expand(batch, -1, -1)
 
 
 def _build(key: RotaryKey, config: dict, args: tuple) -> object:
     q, k, cos, sin = args
+    batch = q.shape[0]
     launch = kernels.rotary_embedding_kernel.compile(
-        config, _kernel_views(q, k, cos, sin, _like(q, q.dtype), _like(k, k.dtype)), int64=key.int64)
+        config, (q, k, _per_row(cos, batch), _per_row(sin, batch), _like(q, q.dtype), _like(k, k.dtype)),
+        int64=key.int64)
 
     def run(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         q_out, k_out = _like(q, q.dtype), _like(k, k.dtype)
         if q.numel() or k.numel():
-            launch(*_kernel_views(q, k, cos, sin, q_out, k_out))
+            batch = q.shape[0]
+            launch(q, k, _per_row(cos, batch), _per_row(sin, batch), q_out, k_out)
         return q_out, k_out
 
     return run

@@ -17,8 +17,8 @@ from hw_agnostic.ops.rotary_embedding import rope_tables, rotary_embedding_op
 from tests.harness import Case, check_provider, dsl_providers, fuzz_examples
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-#: block sizes: the q loop's [batch, tokens, heads, half, pass-through], then the k loop's
-SMALL_CONFIG = {"block_sizes": [1, 2, 2, 4, 2, 1, 2, 1, 4, 2], "num_warps": 2, "num_stages": 1}
+#: block sizes: the q loop's [batch, heads, tokens, half, pass-through], then the k loop's
+SMALL_CONFIG = {"block_sizes": [1, 2, 2, 4, 2, 1, 1, 2, 4, 2], "num_warps": 2, "num_stages": 1}
 
 
 def _heads(batch: int, tokens: int, heads: int, head_dim: int, dtype: torch.dtype, layout: str,
