@@ -64,7 +64,7 @@ from .detect_norms import (
 )
 from .experts import experts_changes
 from .report import RewireReport
-from .rotary import rotary_changes
+from .rotary import rotary_changes, settle_rotary
 from .verify import Verification
 
 log = logging.getLogger(__name__)
@@ -121,6 +121,7 @@ def rewire(
             made += rule(model, report, options)
     if verification is not None:
         verification.settle(made, report)
+        settle_rotary(made, report)
     finish(model, made, report, verification)
     if verbose:
         print(report.table())

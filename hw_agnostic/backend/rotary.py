@@ -48,6 +48,7 @@ from ..kernels import targets
 from ..layers.attention import PagedAttention
 from ..ops.rotary_embedding import rotary_embedding, rotary_embedding_op
 from .changes import Change
+from .report import RewireReport
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +235,11 @@ def verdicts(module: nn.Module) -> dict[tuple[Any, ...], Verdict]:
     return found
 
 
+@dataclasses.dataclass(eq=False)
+class RotaryChange(Change):
+    module: Optional[nn.Module] = None  # the paged module whose forward is routed
+
+
 def rotary_changes(model: nn.Module) -> tuple[list[Change], list[tuple[str, nn.Module, str]]]:
     """Route the rotary embedding of every paged attention module of ``model`` (applied).
 
@@ -264,6 +270,22 @@ def rotary_changes(model: nn.Module) -> tuple[list[Change], list[tuple[str, nn.M
                 PagedAttention.use_forward(module, None)
 
         apply()
-        changes.append(Change("rotary", path, base.__name__, "rotary_embedding",
-                              f"{detail} -> rotary_embedding where a probe shows it computes the same", apply, undo))
+        changes.append(RotaryChange("rotary", path, base.__name__, "rotary_embedding",
+                                    f"{detail} -> rotary_embedding where a probe shows it computes the same",
+                                    apply, undo, module=module))
     return changes, left
+
+
+def settle_rotary(changes: list[Change], report: RewireReport) -> None:
+    """After whole-model verification ran the model: undo the routing of modules whose every probed
+    call kept the model's function (another rotary layout, e.g. GLM's or Cohere's interleaved one),
+    and report why. Modules not probed yet (verification deferred or off) keep their routers."""
+    for change in changes:
+        if change.kind != "rotary" or not change.active:
+            continue
+        found = verdicts(change.module) if isinstance(change, RotaryChange) else {}
+        if found and not any(v.same for v in found.values()):
+            change.undo()
+            reason = next(iter(found.values())).reason
+            report.add("left", change.path, change.original,
+                       detail=f"rotary embedding runs as the model defines it: {reason}")

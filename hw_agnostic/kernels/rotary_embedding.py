@@ -103,10 +103,10 @@ def default_rotary_embedding_config(key: Mapping[str, Any]) -> Config:
     budget = 16384 if interpreter_mode() == "triton" else 1024
     q_blocks = _blocks(key, int(key["q_heads"]), budget)
     k_blocks = _blocks(key, int(key["k_heads"]), budget)
-    # Up to 4 warps, as many as give every thread a 16-byte vector of a half-rotary tile.
+    # Up to 4 warps, as many as give every thread a 16-byte vector of a half-rotary tile (64-wide AMD waves too).
     element_bytes = 4 if key.get("dtype") == "float32" else 2
     elements = q_blocks[1] * q_blocks[2] * q_blocks[3]
-    warps = min(4, max(1, elements * element_bytes // (16 * 32)))
+    warps = min(4, max(1, elements * element_bytes // (16 * 64)))
     return {"block_sizes": q_blocks + k_blocks, "num_warps": warps, "num_stages": 1}
 
 
