@@ -253,6 +253,8 @@ def rotary_changes(model: nn.Module) -> tuple[list[Change], list[tuple[str, nn.M
         if not isinstance(module, PagedAttention):
             continue
         base = type(module)._hw_agnostic_base
+        if PagedAttention.forward_of(module) is not base.forward:
+            continue  # routed already (a second rewire), or running another copy of its forward
         if base not in rebuilt:
             rebuilt[base] = routed_forward(base.forward)
         forward, detail = rebuilt[base]

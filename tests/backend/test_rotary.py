@@ -127,14 +127,19 @@ def test_undo_restores_the_class_forward():
     model = build("llama")
     changes, left = rotary.rotary_changes(model)  # nothing paged yet: nothing to route
     assert not changes and not left
-    rewire(model, verify=False)
+    rewire(model, rotary=False, verify=False)
     module = _paged(model)[0]
-    assert PagedAttention.forward_of(module) is not type(module)._hw_agnostic_base.forward
+    own = type(module)._hw_agnostic_base.forward
+    assert PagedAttention.forward_of(module) is own
     changes, _ = rotary.rotary_changes(model)
+    assert len(changes) == 2 and PagedAttention.forward_of(module) is not own
+    assert rotary.rotary_changes(model) == ([], [])  # routed already: nothing more
     for change in changes:
         change.undo()
-    assert PagedAttention.forward_of(module) is type(module)._hw_agnostic_base.forward
+    assert PagedAttention.forward_of(module) is own
     assert _rotary_calls(lambda: model(prompt())) == 0
+    changes[0].apply()
+    assert _rotary_calls(lambda: model(prompt())) == 1
 
 
 def test_a_compiled_decode_step_traces_the_op_in_one_graph():
