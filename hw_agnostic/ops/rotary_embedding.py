@@ -157,15 +157,16 @@ def _per_row(table: Tensor, batch: int) -> Tensor:
 def _build(key: RotaryKey, config: dict, args: tuple) -> object:
     q, k, cos, sin = args
     batch = q.shape[0]
+    half = key.rotary_dim // 2
     launch = kernels.rotary_embedding_kernel.compile(
-        config, (q, k, _per_row(cos, batch), _per_row(sin, batch), _like(q, q.dtype), _like(k, k.dtype)),
+        config, (q, k, _per_row(cos, batch), _per_row(sin, batch), _like(q, q.dtype), _like(k, k.dtype), half),
         int64=key.int64)
 
     def run(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         q_out, k_out = _like(q, q.dtype), _like(k, k.dtype)
         if q.numel() or k.numel():
             batch = q.shape[0]
-            launch(q, k, _per_row(cos, batch), _per_row(sin, batch), q_out, k_out)
+            launch(q, k, _per_row(cos, batch), _per_row(sin, batch), q_out, k_out, half)
         return q_out, k_out
 
     return run

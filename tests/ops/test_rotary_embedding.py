@@ -57,7 +57,8 @@ def rotary_case(batch, tokens, q_heads, k_heads, head_dim, dtype, *, rotary_dim=
 
 CASES = [
     *[rotary_case(1, 1, 32, 8, 128, dtype, position_offset=15) for dtype in DTYPES],  # a Llama-3-8B decode step
-    *[rotary_case(2, 7, 4, 2, 64, dtype, config=SMALL_CONFIG) for dtype in DTYPES],
+    *[rotary_case(2, 7, 4, 2, 64, dtype) for dtype in DTYPES],
+    rotary_case(2, 7, 4, 2, 64, torch.bfloat16, config=SMALL_CONFIG),  # many programs: slow in the Triton interpreter
     rotary_case(2, 5, 4, 4, 64, torch.bfloat16, shared_table=False),
     rotary_case(1, 9, 6, 2, 80, torch.float16, rotary_dim=32),  # partial rotary (GPT-NeoX, Phi)
     rotary_case(3, 4, 2, 1, 96, torch.bfloat16, rotary_dim=48, config=SMALL_CONFIG),
