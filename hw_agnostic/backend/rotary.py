@@ -10,8 +10,8 @@ a *router*; nothing of the modeling module is changed, and modules that were not
 model's function as before.
 
 The router calls the ``rotary_embedding`` op (one launch) only for calls it has seen the model's
-function agree with, bit for bit. Per call signature (device, dtypes, heads, head and rotary dims,
-layout; not the batch or token counts) it probes once: the model's function and the op on the
+function agree with, bit for bit. Per call signature (device, dtypes, heads, head and rotary dims;
+not the batch or token counts, nor the strides) it probes once: the model's function and the op on the
 same random ``q`` / ``k`` / ``cos`` / ``sin`` of the call's shapes and strides (random tables, so
 a function that rotates another layout, e.g. GLM's interleaved one, or reads ``cos`` differently,
 disagrees even where real tables would hide it). A signature that disagrees, or does not fit the
