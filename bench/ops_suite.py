@@ -19,12 +19,13 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
 
 from hw_agnostic import ops
 from hw_agnostic.autotune.shapes import TOKEN_COUNTS, widths
+from hw_agnostic.ops.rotary_embedding import rope_tables
 
 from .timing import measure_all
 
@@ -62,6 +63,17 @@ class HFGptOssGate(nn.Module):
         return GptOssExperts._apply_gate(self, x)
 
 
+class HFRotary(nn.Module):
+    """Llama's ``apply_rotary_pos_emb(q, k, cos, sin)`` as a module (what the attention forward calls)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
+        return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+#: Llama-3-8B's query and KV heads, for the rotary rows (width: the head dim)
+ROTARY_HEADS = (32, 8)
+
+
 @dataclasses.dataclass
 class Workload:
     op: str
@@ -94,7 +106,7 @@ def _grid(device: torch.device, quick: bool) -> list[tuple[str, int, int, torch.
         dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16)
         tokens = (1, 128, 4096) if quick else TOKEN_COUNTS
         names = ("rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_", "silu_and_mul", "gelu_and_mul", "swiglu_oai",
-                 "layer_norm", "fused_add_layer_norm", "fused_add_layer_norm_", "gated_rms_norm")
+                 "layer_norm", "fused_add_layer_norm", "fused_add_layer_norm_", "gated_rms_norm", "rotary_embedding")
         return [(op, t, w, d) for op in names for w in widths(op) for t in tokens for d in dtypes]
     # The CPU has minutes, not hours: Llama-3-8B/70B widths, a head-dim norm, four token counts.
     tokens = (1, 16, 4096) if quick else (1, 16, 256, 4096)
@@ -104,7 +116,8 @@ def _grid(device: torch.device, quick: bool) -> list[tuple[str, int, int, torch.
                               ("fused_add_rms_norm_", (4096, 8192)),
                               ("silu_and_mul", (2048, 4096, 14336)), ("gelu_and_mul", (4096,)),
                               ("swiglu_oai", (2880,)), ("layer_norm", (4096,)), ("fused_add_layer_norm", (4096,)),
-                              ("fused_add_layer_norm_", (4096,)), ("gated_rms_norm", (128, 8192))):
+                              ("fused_add_layer_norm_", (4096,)), ("gated_rms_norm", (128, 8192)),
+                              ("rotary_embedding", (128,))):
             grid += [(op, t, w, dtype) for w in op_widths for t in tokens]
     return grid
 
@@ -118,6 +131,13 @@ def _workload(op: str, tokens: int, width: int, dtype: torch.dtype, device: torc
     size = torch.finfo(dtype).bits // 8
     if op in ("layer_norm", "fused_add_layer_norm", "fused_add_layer_norm_", "gated_rms_norm"):
         return _layer_or_gated_norm(op, tokens, width, dtype, device, randn, size)
+    if op == "rotary_embedding":  # one sequence of Llama-3-8B's heads, as the projections leave them
+        q_heads, k_heads = ROTARY_HEADS
+        q, k = randn(1, tokens, q_heads, width).transpose(1, 2), randn(1, tokens, k_heads, width).transpose(1, 2)
+        cos, sin = rope_tables(tokens, width, dtype, str(device))
+        moved = (2 * (q_heads + k_heads) + 2) * tokens * width * size
+        return Workload(op, tokens, width, dtype, moved, lambda: ops.rotary_embedding(q, k, cos, sin),
+                        {"hf_eager": HFRotary()}, (q, k, cos, sin), (q, k, cos, sin))
     if op in ("rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_"):
         x = randn(tokens, width)
         hf = LlamaRMSNorm(width).to(device=device, dtype=dtype) if op == "rms_norm" else HFAddRMSNorm(width).to(

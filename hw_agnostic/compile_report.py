@@ -36,7 +36,8 @@ SAME_KERNELS_AS = {"fused_add_rms_norm_": "fused_add_rms_norm", "fused_add_layer
 HEADLINE_WIDTHS = {"rms_norm": 4096, "fused_add_rms_norm": 4096, "silu_and_mul": 14336, "gelu_and_mul": 14336,
                    "swiglu_oai": 2880, "write_kv_cache": 128, "paged_attention": 128, "moe_route": 2048,
                    "moe_align": 2048, "grouped_gemm": 2048, "fused_experts": 2048, "layer_norm": 4096,
-                   "fused_add_layer_norm": 4096, "gated_rms_norm": 8192}
+                   "fused_add_layer_norm": 4096, "gated_rms_norm": 8192,
+                   "rotary_embedding": 128}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,8 +50,8 @@ def _poisoned_cases() -> list[tuple[str, Case]]:
 
             def make(op=op, index=index, value=value):
                 args = list(op.example_inputs(5, 24, torch.float32, "cpu"))
-                flat = args[index].view(-1)
-                flat[min(7, flat.numel() - 1)] = value
+                poisoned = args[index]  # any layout (rotary_embedding's q/k are transposed views)
+                poisoned[torch.unravel_index(torch.tensor(min(7, poisoned.numel() - 1)), poisoned.shape)] = value
                 return tuple(args)
 
             cases.append((name, Case(f"{name}-arg{index}-{value}", make)))

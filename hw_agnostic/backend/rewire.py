@@ -12,7 +12,9 @@ reason:
    merged gate/up weight.
 2. ``qkv``: three sibling linears that read the same tensor get one merged projection.
 3. ``attention``: self-attention modules become paged-attention layers (``write_kv_cache`` +
-   ``paged_attention``, for ``generate()`` and continuous batching alike).
+   ``paged_attention``, for ``generate()`` and continuous batching alike); ``rotary``: their
+   ``apply_rotary_pos_emb`` call runs ``rotary_embedding`` where a probe shows it computes the same
+   (:mod:`hw_agnostic.backend.rotary`).
 4. ``fused``: decoder layers with a pre-norm or sandwich-norm residual layout run the residual add
    and the next norm as one ``fused_add_rms_norm`` (``fused_add_layer_norm``).
 5. ``experts``: mixture-of-experts layers run ``fused_experts`` and their routers ``moe_route``.
@@ -62,6 +64,7 @@ from .detect_norms import (
 )
 from .experts import experts_changes
 from .report import RewireReport
+from .rotary import rotary_changes, settle_rotary
 from .verify import Verification
 
 log = logging.getLogger(__name__)
@@ -79,6 +82,7 @@ def rewire(
     *,
     merge_qkv: bool = True,
     attention: bool = True,
+    rotary: bool = True,
     fuse: bool = True,
     experts: bool = True,
     verify: bool = True,
@@ -92,6 +96,8 @@ def rewire(
         merge_qkv: merge q/k/v projections (needs one probe forward of the model, see ``probe``).
         attention: run self-attention with ``write_kv_cache`` + ``paged_attention`` over a paged
             cache (see :mod:`hw_agnostic.backend.attention`).
+        rotary: in those paged modules, run the model's ``apply_rotary_pos_emb`` as ``rotary_embedding``
+            where it computes the same (see :mod:`hw_agnostic.backend.rotary`).
         fuse: fuse residual adds into the following norm in recognised decoder layers.
         experts: run mixture-of-experts layers with ``fused_experts`` and their routers with
             ``moe_route`` (see :mod:`hw_agnostic.backend.experts`).
@@ -107,13 +113,15 @@ def rewire(
     prior = list(changes or [])
     verification = Verification(model, prior) if verify else None
     options = Options(verify=verify, probe=probe)
-    enabled = {"norms_and_mlps": True, "qkv": merge_qkv, "attention": attention, "fused": fuse, "experts": experts}
+    enabled = {"norms_and_mlps": True, "qkv": merge_qkv, "attention": attention, "rotary": attention and rotary,
+               "fused": fuse, "experts": experts}
     made = list(prior)
     for name, rule in RULES:
         if enabled[name]:
             made += rule(model, report, options)
     if verification is not None:
         verification.settle(made, report)
+        settle_rotary(made, report)
     finish(model, made, report, verification)
     if verbose:
         print(report.table())
@@ -413,6 +421,13 @@ def _attention(model: nn.Module, report: RewireReport, options: Options) -> list
     return made
 
 
+def _rotary(model: nn.Module, report: RewireReport, options: Options) -> list[Change]:
+    made, left = rotary_changes(model)
+    for path, module, reason in left:
+        report.add("left", path, module, detail=reason)
+    return made
+
+
 def _fused(model: nn.Module, report: RewireReport, options: Options) -> list[Change]:
     made: list[Change] = []
     for path, layer in model.named_modules():
@@ -457,6 +472,7 @@ RULES: tuple[tuple[str, Callable[[nn.Module, RewireReport, Options], list[Change
     ("norms_and_mlps", _norms_and_mlps),
     ("qkv", _qkv),
     ("attention", _attention),
+    ("rotary", _rotary),
     ("fused", _fused),
     ("experts", _experts),
 )

@@ -443,6 +443,18 @@ class PagedAttention(PluggableLayer):
         module.config = state.original_config
         return module
 
+    @staticmethod
+    def use_forward(module: nn.Module, forward: Optional[Callable[..., Any]]) -> None:
+        """Run ``forward`` (a copy of the module's own class's forward, e.g. with its rotary
+        function routed to a kernel) in its place; None: the class's own forward again."""
+        state: _PagedState = module.__dict__[_STATE]
+        state.base_forward = forward if forward is not None else type(module)._hw_agnostic_base.forward
+
+    @staticmethod
+    def forward_of(module: nn.Module) -> Callable[..., Any]:
+        """The forward of the module's own class that the paged layer runs."""
+        return module.__dict__[_STATE].base_forward
+
     @property
     def kv(self) -> Optional[PagedKVCache]:
         """This layer's paged KV cache for the last plain ``Cache`` it ran with (None before)."""

@@ -25,6 +25,7 @@ from .registry import (
     use_provider,
 )
 from .rms_norm import fused_add_rms_norm, rms_norm
+from .rotary_embedding import rotary_embedding
 from .write_kv_cache import write_kv_cache
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "paged_attention",
     "reset",
     "rms_norm",
+    "rotary_embedding",
     "silu_and_mul",
     "swiglu_oai",
     "trace_dispatch",

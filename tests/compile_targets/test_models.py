@@ -23,7 +23,8 @@ NEW_TOKENS = 6
 TARGETS_OF = {"qwen3": None, "gpt_oss": ("sm_90", "gfx942")}
 #: Kernels each family must launch (the norms, attention and MLP or experts of its layers).
 EXPECTED_KERNELS = {
-    "qwen3": {"rms_norm", "fused_add_rms_norm_row", "gated_activation", "write_kv_cache", "paged_attention"},
+    "qwen3": {"rms_norm", "fused_add_rms_norm_row", "gated_activation", "write_kv_cache", "paged_attention",
+              "rotary_embedding"},
     # gpt-oss's decoder layers are not fused (rewire reports why), so no fused add+norm.
     "gpt_oss": {"rms_norm", "write_kv_cache", "paged_attention", "route", "count_pairs", "segment_offsets",
                 "scatter_pairs", "grouped_gemm", "gated_activation", "combine_topk"},

@@ -1,0 +1,217 @@
+"""``rotary_embedding``: queries and keys rotated by a rotary position embedding, in one call.
+
+The spec is Hugging Face's ``apply_rotary_pos_emb(q, k, cos, sin)`` (Llama's, and the partial
+form of Phi, GPT-NeoX, GLM and others): with ``R = cos.shape[-1]``, the first ``R`` dims of each
+head become ``x * cos + rotate_half(x) * sin`` (the neox layout: ``rotate_half`` of halves
+``x1, x2`` is ``cat(-x2, x1)``) and the remaining ``D - R`` dims pass through unchanged.
+
+* ``q`` ``[B, Hq, T, D]`` and ``k`` ``[B, Hk, T, D]``: Hugging Face's attention layout, any
+  strides (its queries are transposed views of the projection's ``[B, T, H, D]`` output).
+* ``cos`` / ``sin`` ``[B, T, R]`` or ``[1, T, R]``, broadcast over the heads (HF's
+  ``cos.unsqueeze(1)``); ``R`` even, ``2 <= R <= D``.
+* Results: two new tensors laid out like ``q`` and ``k`` (``torch.empty_like``), of the dtype
+  ``q * cos`` has (HF's type promotion; the rotary modules cast ``cos`` / ``sin`` to the
+  hidden states' dtype, so it is ``q.dtype`` in practice). The arguments are not written: the
+  call site (HF's attention forward) keeps the tensors it passed.
+
+Numerics: HF computes in the dtype of its operands, rounding each product and then their sum;
+the reference does exactly that, and so does the kernel (bit-identical to HF's eager code in
+fp16 and bf16; in fp32 a GPU compiler may contract a product and the sum into one FMA).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..autotune.keys import token_bucket
+from ..kernels import rotary_embedding as kernels
+from ..kernels.runtime import helion_available
+from . import checks
+from .registry import Op, Provider
+
+OP = "rotary_embedding"
+
+
+# --------------------------------------------------------------------------------------------
+# the spec
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotated(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, passed = x[..., :rotary], x[..., rotary:]
+    embedded = rot * cos + _rotate_half(rot) * sin
+    return torch.cat((embedded, passed.to(embedded.dtype)), dim=-1)
+
+
+def _like(x: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.empty_like(x, dtype=dtype)
+
+
+def _laid_like(x: Tensor, value: Tensor) -> Tensor:
+    """``value`` laid out like ``x`` (``torch.empty_like``), copied only if the arithmetic picked
+    another layout: the fake implementation and every provider agree on the strides, which
+    compiled graphs rely on."""
+    like = torch.empty_like(x, dtype=value.dtype)
+    return value if value.stride() == like.stride() else like.copy_(value)
+
+
+def rotary_embedding_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return _laid_like(q, _rotated(q, cos, sin)), _laid_like(k, _rotated(k, cos, sin))
+
+
+def _rotary_embedding_shapes(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    dtype = torch.promote_types(torch.promote_types(q.dtype, cos.dtype), sin.dtype)
+    return _like(q, dtype), _like(k, dtype)
+
+
+def _eager_reference(op_name: str, reference: object) -> object:
+    """The reference provider runs the spec eagerly: HF's own ATen kernels, bit-identical to HF's
+    code. Inductor would fuse the products and the sum, rounding once instead of three times."""
+    return reference
+
+
+# --------------------------------------------------------------------------------------------
+# checks and keys
+
+
+class RotaryKey(NamedTuple):
+    device: str
+    dtype: torch.dtype
+    table_dtype: torch.dtype  # cos and sin
+    head_dim: int
+    rotary_dim: int
+    q_heads: int
+    k_heads: int
+    tokens: int
+    int64: bool
+
+
+def check_rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
+    for name, x in (("q", q), ("k", k)):
+        checks.tensor(OP, name, x)
+        if x.dim() != 4:
+            raise ValueError(f"{OP}: {name} must be [batch, heads, tokens, head_dim] (4-D); got shape {tuple(x.shape)}")
+    checks.same_device(OP, "k", k, "q", q)
+    checks.same_dtype(OP, "k", k, "q", q)
+    batch, _, tokens, head_dim = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (batch, tokens, head_dim):
+        raise ValueError(f"{OP}: k must match q's batch, tokens and head_dim ({batch}, {tokens}, {head_dim}); "
+                         f"got k of shape {tuple(k.shape)} for q of shape {tuple(q.shape)}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        checks.tensor(OP, name, table)
+        checks.same_device(OP, name, table, "q", q)
+        if table.dim() != 3:
+            raise ValueError(f"{OP}: {name} must be [batch or 1, tokens, rotary_dim] (3-D); got shape {tuple(table.shape)}")
+    checks.same_shape(OP, "sin", sin, "cos", cos)
+    checks.same_dtype(OP, "sin", sin, "cos", cos)
+    table_batch, table_tokens, rotary = cos.shape
+    if table_batch not in (1, batch) or table_tokens != tokens:
+        raise ValueError(f"{OP}: cos and sin must be [{batch} or 1, {tokens}, rotary_dim] for q of shape "
+                         f"{tuple(q.shape)}; got {tuple(cos.shape)}")
+    if rotary < 2 or rotary % 2 or rotary > head_dim:
+        raise ValueError(f"{OP}: the rotary dim (cos.shape[-1]) must be even and within 2..head_dim ({head_dim}); "
+                         f"got {rotary}")
+
+
+def rotary_embedding_key(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> RotaryKey:
+    return RotaryKey(
+        q.device.type, q.dtype, cos.dtype, q.shape[3], cos.shape[2], q.shape[1], k.shape[1],
+        token_bucket(q.shape[0] * q.shape[2]), checks.needs_int64(q, k, cos, sin),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# the Helion provider
+
+
+def _helion_accepts(key: RotaryKey) -> str | None:
+    if key.dtype not in checks.KERNEL_DTYPES:
+        return f"dtype {key.dtype} not supported (kernel dtypes: fp32, fp16, bf16)"
+    if key.table_dtype != key.dtype:
+        return f"cos/sin dtype {key.table_dtype} differs from q's {key.dtype} (the result type-promotes)"
+    return None
+
+
+def _tuning_key(key: RotaryKey) -> dict[str, object]:
+    return {"dtype": str(key.dtype).removeprefix("torch."), "head_dim": key.head_dim, "rotary_dim": key.rotary_dim,
+            "q_heads": key.q_heads, "k_heads": key.k_heads}
+
+
+def _per_row(table: Tensor, batch: int) -> Tensor:
+    """The kernel reads row ``b``'s table at ``table[b]``: one table shared by every row is expanded
+    (a view with batch stride 0; no view at all at batch 1, the decode step's)."""
+    return table if table.shape[0] == batch else table.expand(batch, -1, -1)
+
+
+def _build(key: RotaryKey, config: dict, args: tuple) -> object:
+    q, k, cos, sin = args
+    batch = q.shape[0]
+    half = key.rotary_dim // 2
+    launch = kernels.rotary_embedding_kernel.compile(
+        config, (q, k, _per_row(cos, batch), _per_row(sin, batch), _like(q, q.dtype), _like(k, k.dtype), half),
+        int64=key.int64)
+
+    def run(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        q_out, k_out = _like(q, q.dtype), _like(k, k.dtype)
+        if q.numel() or k.numel():
+            batch = q.shape[0]
+            launch(q, k, _per_row(cos, batch), _per_row(sin, batch), q_out, k_out, half)
+        return q_out, k_out
+
+    return run
+
+
+_HELION = Provider(
+    "helion", _build, interpreters=frozenset({"triton", "helion"}), accepts=_helion_accepts,
+    kernel=kernels.ROTARY_EMBEDDING, tuning_key=_tuning_key, available=helion_available,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# example inputs (tuner, benchmarks): Llama-3-8B's heads (32 query, 8 KV), one sequence
+
+
+def rope_tables(tokens: int, rotary_dim: int, dtype: torch.dtype, device: str, base: float = 500000.0,
+                batch: int = 1) -> tuple[Tensor, Tensor]:
+    """Llama's ``cos`` / ``sin`` ``[batch, tokens, rotary_dim]`` for positions ``0 .. tokens - 1``."""
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+    freqs = torch.arange(tokens, dtype=torch.float32)[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[None].expand(batch, tokens, rotary_dim)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+
+
+def _example(tokens: int, head_dim: int, dtype: torch.dtype, device: str) -> tuple:
+    q = torch.randn(1, tokens, 32, head_dim, dtype=dtype, device=device).transpose(1, 2)
+    k = torch.randn(1, tokens, 8, head_dim, dtype=dtype, device=device).transpose(1, 2)
+    return (q, k, *rope_tables(tokens, head_dim, dtype, device))
+
+
+rotary_embedding_op = Op(
+    OP, rotary_embedding_reference, check=check_rotary_embedding, key=rotary_embedding_key, providers=[_HELION],
+    example_inputs=_example, compiled_reference=_eager_reference, fake=_rotary_embedding_shapes, differentiable=True,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+
+
+def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Hugging Face's ``apply_rotary_pos_emb(q, k, cos, sin)`` in one launch: ``(q_embed, k_embed)``.
+
+    ``q`` ``[B, Hq, T, D]``, ``k`` ``[B, Hk, T, D]`` (any strides); ``cos`` / ``sin`` ``[B or 1, T, R]``
+    with ``R`` even and at most ``D``: the first ``R`` dims of every head are rotated (neox
+    layout), the rest pass through. Returns new tensors laid out like ``q`` and ``k``.
+    """
+    return rotary_embedding_op(q, k, cos, sin)
