@@ -430,7 +430,8 @@ class _AttentionLaunch:
         self._attention: dict[bool, Any] = {}
         self._merges: dict[tuple, Any] = {}
         self.num_splits = self.splits_for(args)
-        self._launches(args, self.num_splits)  # compiled now: the plan's first call pays for it
+        # Compiled now: the plan's first call pays for it.
+        self._launches(self._attention_args(*args, num_splits=self.num_splits), self.num_splits)
 
     def splits_for(self, args: tuple) -> int:
         if self.splits != "auto":
@@ -442,10 +443,9 @@ class _AttentionLaunch:
             programs=self.programs,
         )
 
-    def _launches(self, args: tuple, num_splits: int) -> tuple[Any, Any]:
+    def _launches(self, launch_args: tuple, num_splits: int) -> tuple[Any, Any]:
         """The attention kernel and merge (None without splits) for ``num_splits``, compiled on first use."""
         split = num_splits > 1
-        launch_args = self._attention_args(*args, num_splits=num_splits)
         attention = self._attention.get(split)
         if attention is None:
             attention = self._attention[split] = kernels.paged_attention_kernel.compile(
@@ -494,8 +494,8 @@ class _AttentionLaunch:
         if q.shape[0] == 0 or args[5].shape[0] == 0 or args[10] == 0:
             return out  # no query rows to compute (an empty grid, which Helion's eager mode mishandles)
         self.num_splits = self.splits_for(args)
-        attention, merge = self._launches(args, self.num_splits)
         launch_args = self._attention_args(*args, out=out, num_splits=self.num_splits)
+        attention, merge = self._launches(launch_args, self.num_splits)
         attention(*launch_args)
         if merge is not None:
             merge(*self._merge_args(launch_args))
