@@ -48,8 +48,8 @@ SIDES = {
 # (model family, mode, rounds, sides). Sides alternate within a round, and rounds repeat, so that
 # a slow patch of a shared machine hits every side; the ratio is the median of per-round ratios.
 PLAN = (
-    ("llama", "eager", 2, ("hw_agnostic", "hw_agnostic_attention", "vllm")),
-    ("llama", "compiled", 1, ("hw_agnostic", "hw_agnostic_attention", "vllm")),
+    ("llama", "eager", 3, ("hw_agnostic", "hw_agnostic_attention", "vllm")),
+    ("llama", "compiled", 2, ("hw_agnostic", "hw_agnostic_attention", "vllm")),
     ("mixtral", "eager", 1, ("hw_agnostic_moe", "vllm")),
 )
 TIMEOUT_S = 900
