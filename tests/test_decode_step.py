@@ -18,7 +18,7 @@ from tests.test_attention_integration import padded_prompts
 NEW_TOKENS = 4
 #: the kernels one rewired Llama decoder layer launches (its norms, MLP, KV write and attention)
 LAYER_KERNELS = {"rms_norm": 1, "fused_add_rms_norm_row": 1, "gated_activation": 1, "write_kv_cache": 1,
-                 "paged_attention": 1}
+                 "paged_attention": 1, "rotary_embedding": 1}
 
 
 @pytest.fixture
