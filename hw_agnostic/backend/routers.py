@@ -209,7 +209,8 @@ def router_form(module: nn.Module) -> RouterForm | None:
 def _configuration(module: nn.Module) -> tuple:
     """What an inferred form depends on besides the class: shapes, settings and which tensors it holds."""
     settings = tuple(sorted((k, v) for k, v in vars(module).items()
-                            if isinstance(v, (bool, int, float, str, type(None))) and k != "training"))
+                            if isinstance(v, (bool, int, float, str, type(None)))
+                            and k not in ("training", "layer_idx")))  # one inference for a model's layers
     tensors = tuple((name, tuple(t.shape)) for name, t in itertools.chain(module.named_parameters(),
                                                                             module.named_buffers()))
     return settings + tensors
