@@ -261,9 +261,19 @@ def test_attention_reference_sees_only_visible_keys(name, window, sinks):
     assert_close(got, want, torch.float32)
 
 
-def test_attention_reference_propagates_a_nan_query_as_hf_attention_does():
+@pytest.mark.parametrize("compiled", [False, True], ids=["reference", "cpu-path"])
+def test_attention_reference_propagates_a_nan_query_as_hf_attention_does(compiled, monkeypatch):
     """HF's eager attention and SDPA with a mask give NaN (CPU SDPA's flash path with
-    ``is_causal=True`` gives 0, an artefact of that path)."""
+    ``is_causal=True`` gives 0, an artefact of that path), also on the CPU path users get by default."""
+    monkeypatch.setenv("HW_AGNOSTIC_COMPILE_REFERENCE", "1" if compiled else "0")
+    ops.reset(compiled_references=True)
+    try:
+        _check_nan_query_attention()
+    finally:
+        ops.reset(compiled_references=True)
+
+
+def _check_nan_query_attention() -> None:
     g = seeded_generator("nan-query-sdpa")
     q, k, v = (torch.randn(1, 2, 6, 16, generator=g) for _ in range(3))
     q[0, 1, 2, 4] = NAN
