@@ -37,6 +37,16 @@ except Exception:  # Helion missing or broken: the op falls back to the referenc
 _constexpr: Any = hl.constexpr if hl is not None else int
 
 
+def _rotate(x1: torch.Tensor, x2: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, s1: torch.Tensor,
+            s2: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x * cos + rotate_half(x) * sin`` on the two halves, each product rounded to ``dtype`` and
+    then the sum, as HF's eager code rounds; inlined into the kernel."""
+    x1, x2 = x1.to(torch.float32), x2.to(torch.float32)
+    first = (x1 * c1).to(dtype).to(torch.float32) - (x2 * s1).to(dtype).to(torch.float32)
+    second = (x2 * c2).to(dtype).to(torch.float32) + (x1 * s2).to(dtype).to(torch.float32)
+    return first.to(dtype), second.to(dtype)
+
+
 def _rotary_embedding(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -56,14 +66,10 @@ def _rotary_embedding(
             c2 = cos[tile_b, tile_t, second].to(torch.float32)[:, None, :, :]
             s1 = sin[tile_b, tile_t, tile_d].to(torch.float32)[:, None, :, :]
             s2 = sin[tile_b, tile_t, second].to(torch.float32)[:, None, :, :]
-            x1 = q[tile_b, tile_h, tile_t, tile_d].to(torch.float32)
-            x2 = q[tile_b, tile_h, tile_t, second].to(torch.float32)
-            a = (x1 * c1).to(q_out.dtype).to(torch.float32)
-            b = (x2 * s1).to(q_out.dtype).to(torch.float32)
-            q_out[tile_b, tile_h, tile_t, tile_d] = (a - b).to(q_out.dtype)
-            a = (x2 * c2).to(q_out.dtype).to(torch.float32)
-            b = (x1 * s2).to(q_out.dtype).to(torch.float32)
-            q_out[tile_b, tile_h, tile_t, second] = (a + b).to(q_out.dtype)
+            first_half, second_half = _rotate(q[tile_b, tile_h, tile_t, tile_d], q[tile_b, tile_h, tile_t, second],
+                                              c1, c2, s1, s2, q_out.dtype)
+            q_out[tile_b, tile_h, tile_t, tile_d] = first_half
+            q_out[tile_b, tile_h, tile_t, second] = second_half
         for tile_p in hl.tile(rotary, head_dim):
             q_out[tile_b, tile_h, tile_t, tile_p] = q[tile_b, tile_h, tile_t, tile_p]
     for tile_b, tile_h, tile_t in hl.tile([batch, k_heads, tokens]):
@@ -73,14 +79,10 @@ def _rotary_embedding(
             c2 = cos[tile_b, tile_t, second].to(torch.float32)[:, None, :, :]
             s1 = sin[tile_b, tile_t, tile_d].to(torch.float32)[:, None, :, :]
             s2 = sin[tile_b, tile_t, second].to(torch.float32)[:, None, :, :]
-            x1 = k[tile_b, tile_h, tile_t, tile_d].to(torch.float32)
-            x2 = k[tile_b, tile_h, tile_t, second].to(torch.float32)
-            a = (x1 * c1).to(k_out.dtype).to(torch.float32)
-            b = (x2 * s1).to(k_out.dtype).to(torch.float32)
-            k_out[tile_b, tile_h, tile_t, tile_d] = (a - b).to(k_out.dtype)
-            a = (x2 * c2).to(k_out.dtype).to(torch.float32)
-            b = (x1 * s2).to(k_out.dtype).to(torch.float32)
-            k_out[tile_b, tile_h, tile_t, second] = (a + b).to(k_out.dtype)
+            first_half, second_half = _rotate(k[tile_b, tile_h, tile_t, tile_d], k[tile_b, tile_h, tile_t, second],
+                                              c1, c2, s1, s2, k_out.dtype)
+            k_out[tile_b, tile_h, tile_t, tile_d] = first_half
+            k_out[tile_b, tile_h, tile_t, second] = second_half
         for tile_p in hl.tile(rotary, head_dim):
             k_out[tile_b, tile_h, tile_t, tile_p] = k[tile_b, tile_h, tile_t, tile_p]
 
@@ -130,5 +132,5 @@ def rotary_embedding_candidates(key: Mapping[str, Any]) -> list[Config]:
 
 
 ROTARY_EMBEDDING = KernelSpec(
-    "rotary_embedding", (_rotary_embedding,), default_rotary_embedding_config, rotary_embedding_candidates
+    "rotary_embedding", (_rotate, _rotary_embedding), default_rotary_embedding_config, rotary_embedding_candidates
 )

@@ -98,29 +98,31 @@ class Provider:
     def compiles_for_targets(self, call: Any) -> bool:
         """In compile-for-target mode a provider generating Triton takes CPU and meta calls:
         its launches are compiled for the targets, and the reference computes the results."""
-        return (call.device in TARGET_MODE_DEVICES and "triton" in self.interpreters
-                and targets.active_mode() is not None)
+        return self._compiles_for_targets_on(call.device)
+
+    def _compiles_for_targets_on(self, device: str) -> bool:
+        return device in TARGET_MODE_DEVICES and "triton" in self.interpreters and targets.active_mode() is not None
+
+    def takes_device(self, device: str) -> bool:
+        """Whether calls on ``device`` reach this provider: its devices, the CPU under one of its
+        interpreters, or compile-for-target mode."""
+        return (device in self.devices or self._compiles_for_targets_on(device)
+                or (device == "cpu" and interpreter_mode() in self.interpreters))
 
     def may_run_on(self, device: str) -> bool:
         """Whether this provider could take some call on ``device`` (device, interpreter, target
         mode and availability alone; the key's other fields may still refuse a call)."""
-        by_device = (device in self.devices
-                     or (device == "cpu" and interpreter_mode() in self.interpreters)
-                     or (device in TARGET_MODE_DEVICES and "triton" in self.interpreters
-                         and targets.active_mode() is not None))
-        return by_device and self.available() is None
+        return self.takes_device(device) and self.available() is None
 
     def why_not(self, call: Any) -> str | None:
         """None when this provider can run a call with this key, else the reason."""
-        if call.device not in self.devices and not self.compiles_for_targets(call):
-            mode = interpreter_mode() if call.device == "cpu" else None
-            if mode is None or mode not in self.interpreters:
-                supported = ", ".join(sorted(self.devices)) or "none"
-                hint = ""
-                if call.device == "cpu" and self.interpreters:
-                    hint = " (on the CPU it runs under " + " or ".join(
-                        f"{m.upper()}_INTERPRET=1" for m in sorted(self.interpreters)) + ")"
-                return f"device {call.device!r} is not supported (supports {supported}){hint}"
+        if not self.takes_device(call.device):
+            supported = ", ".join(sorted(self.devices)) or "none"
+            hint = ""
+            if call.device == "cpu" and self.interpreters:
+                hint = " (on the CPU it runs under " + " or ".join(
+                    f"{m.upper()}_INTERPRET=1" for m in sorted(self.interpreters)) + ")"
+            return f"device {call.device!r} is not supported (supports {supported}){hint}"
         reason = self.available()
         if reason is not None:
             return reason

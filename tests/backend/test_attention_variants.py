@@ -23,23 +23,9 @@ from hw_agnostic.backend.verify import Verification
 from hw_agnostic.layers import PagedAttention
 from hw_agnostic.tolerances import mismatch, tolerance
 from tests.zoo.families import build
+from tests.zoo.test_zoo import _inputs, _run
 
 NEW_TOKENS = 8
-
-
-def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(3, 200, (2, 7), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0
-    return ids, mask
-
-
-def _run(model, ids, mask):
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits
-        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                do_sample=False, pad_token_id=0)
-    return logits, tokens
 
 
 def _rewired(family: str):
@@ -55,7 +41,7 @@ def _paged(model) -> list[str]:
 
 def _assert_same_results(model, reference, two_sided: bool = False) -> None:
     ids, mask = _inputs()
-    (got, got_tokens), (want, want_tokens) = _run(model, ids, mask), _run(reference, ids, mask)
+    (got, got_tokens), (want, want_tokens) = _run(model, ids, mask, NEW_TOKENS), _run(reference, ids, mask, NEW_TOKENS)
     real = mask.bool()
     assert mismatch(got[real], want[real].double(), torch.float32, two_sided=two_sided) is None
     assert torch.equal(got_tokens, want_tokens)

@@ -35,10 +35,10 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _run(model, ids, mask):
+def _run(model, ids, mask, new_tokens: int = NEW_TOKENS):
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask).logits
-        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                 do_sample=False, pad_token_id=0)
     return logits, tokens
 
