@@ -17,11 +17,17 @@ from hw_agnostic.kernels.interpret import interpreter_mode
 from hw_agnostic.ops import compiled_reference, registry
 from tests.harness import Case, check_provider
 from tests.ops import test_activations as activation_tests
+from tests.ops import test_gated_rms_norm as gated_tests
+from tests.ops import test_layer_norm as layer_norm_tests
+from tests.ops import test_rotary_embedding as rotary_tests
 from tests.ops import test_paged_attention as attention_tests
 from tests.ops import test_rms_norm as norm_tests
 
 activations = importlib.import_module("hw_agnostic.ops.activations")
 rms_norm = importlib.import_module("hw_agnostic.ops.rms_norm")
+layer_norm = importlib.import_module("hw_agnostic.ops.layer_norm")
+gated_rms_norm = importlib.import_module("hw_agnostic.ops.gated_rms_norm")
+rotary = importlib.import_module("hw_agnostic.ops.rotary_embedding")
 
 pytestmark = pytest.mark.skipif(interpreter_mode() is not None, reason="the plain CPU path (no interpreter)")
 
@@ -87,6 +93,80 @@ def test_norms_run_one_compiled_graph_per_specialisation_called_without_dynamo(m
     before = len(compiled.lean)
     ops.rms_norm(torch.randn(5, 96, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16))
     assert len(compiled.lean) == before  # another hidden size: the same graph
+
+
+# Layer norms run F.layer_norm where the spec is nn.LayerNorm's computation, the compiled reference
+# elsewhere (cast_then_affine, per-head parameters): every case of the DSL tiers but the small-config
+# repeats (no kernel config applies here).
+LAYER_NORM_CASES = [c for c in layer_norm_tests.LN_CASES if c.config is None]
+FUSED_LAYER_NORM_CASES = [c for c in layer_norm_tests.FUSED_CASES if c.config is None]
+
+
+@pytest.mark.parametrize("case", LAYER_NORM_CASES, ids=repr)
+def test_layer_norm(case):
+    check_provider(layer_norm.layer_norm_op, "reference", _without_config(case), "cpu")
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("case", FUSED_LAYER_NORM_CASES, ids=repr)
+def test_fused_add_layer_norm(case, inplace):
+    op = layer_norm.fused_add_layer_norm_inplace_op if inplace else layer_norm.fused_add_layer_norm_op
+    check_provider(op, "reference", _without_config(case), "cpu")
+
+
+def test_layer_norms_of_nn_layer_norm_numerics_run_its_aten_kernel():
+    x, weight, bias = torch.randn(3, 64, dtype=torch.bfloat16), torch.randn(64), torch.randn(64)
+    for w, b, numerics in ((weight, bias, "fp32"), (weight.bfloat16(), None, "fp32"), (None, None, "fp32"),
+                           (weight, bias, "one_plus")):
+        plan = layer_norm.layer_norm_op.plan(x, w, b, 1e-5, numerics)
+        assert plan.run.__qualname__.endswith("native.<locals>.norm"), plan.describe()
+    per_head = layer_norm.layer_norm_op.plan(torch.randn(3, 2, 64), torch.randn(2, 64), None, 1e-5, "fp32")
+    chameleon = layer_norm.layer_norm_op.plan(x, weight, bias, 1e-5, "cast_then_affine")
+    fp32_x_bf16_weight = layer_norm.layer_norm_op.plan(x.float(), weight.bfloat16(), None, 1e-5, "fp32")
+    for plan in (per_head, chameleon, fp32_x_bf16_weight):
+        assert isinstance(plan.run, compiled_reference.CompiledReference), plan.describe()
+
+
+# Each (dtypes, ranks, scalars) compiles once (~1 s): the dtype x order x numerics sweep in bf16 and
+# fp32 (fp16 rounds as bf16 does), and every other case.
+GATED_CASES = [c for c in gated_tests.CASES if c.config is None and not c.id.startswith("7x39-float16")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", GATED_CASES, ids=repr)
+def test_gated_rms_norm(case):
+    check_provider(gated_rms_norm.gated_rms_norm_op, "reference", _without_config(case), "cpu")
+
+
+ROTARY_CASES = [
+    *(c for c in rotary_tests.CASES if c.config is None),
+    rotary_tests.rotary_case(2, 3, 3, 1, 20, torch.bfloat16, layout="fused_qkv"),  # not dense: laid out anew
+    rotary_tests.rotary_case(2, 5, 4, 2, 64, torch.float32, layout="contiguous", shared_table=False),
+]
+
+
+@pytest.mark.parametrize("case", ROTARY_CASES, ids=repr)
+def test_rotary_embedding(case):
+    check_provider(rotary.rotary_embedding_op, "reference", _without_config(case), "cpu")
+
+
+@pytest.mark.parametrize("case", ROTARY_CASES, ids=repr)
+def test_rotary_embedding_is_bit_identical_to_the_reference(case):
+    """HF's roundings and layouts, infinities included; NaN where HF has NaN (a NaN's sign bit is the
+    hardware's: HF negates x, this path the table)."""
+    q, k, cos, sin = case.make()
+    if q.numel():
+        q[..., ::5] = float("nan")
+        k[..., 0] = float("inf")
+        k[..., -1] = float("-inf")
+    with ops.trace_dispatch() as ran:
+        got = ops.rotary_embedding(q, k, cos, sin)
+    assert ran[0].provider == "reference"
+    for mine, spec in zip(got, rotary.rotary_embedding_reference(q, k, cos, sin)):
+        assert mine.dtype == spec.dtype and mine.shape == spec.shape and mine.stride() == spec.stride()
+        nan = spec.isnan()
+        assert torch.equal(mine.isnan(), nan)
+        assert torch.equal(_bits(mine.masked_fill(nan, 0)), _bits(spec.masked_fill(nan, 0)))
 
 
 ACTIVATION_CASES = activation_tests.CASES
@@ -187,6 +267,27 @@ def test_softmax_routing_is_bit_identical_to_the_reference():
                 args = (logits, None, top_k, "softmax", renormalize, 1, 1, factor)
                 (w1, i1), (w2, i2) = route._moe_route_lean(*args), route.moe_route_reference(*args)
                 assert torch.equal(w1, w2) and torch.equal(i1, i2)
+
+
+def test_keyed_top_k_orders_as_the_stable_sort():
+    """Ties (bf16 logits, equal rows), scores that underflow to 0 (-inf and far-off logits), NaN rows,
+    many rows: torch.topk of the keys picks what the stable descending sort picks, in its order."""
+    route = importlib.import_module("hw_agnostic.ops.moe_route")
+    g = torch.Generator().manual_seed(5)
+    logits = (2 * torch.randn(300, 128, generator=g)).bfloat16().float()
+    logits[1] = 0.0  # all tied
+    logits[2, :100] = -float("inf")  # 100 zeros
+    logits[3] = torch.where(torch.arange(128) < 3, 200.0, -200.0)  # 3 ones, 125 zeros that underflow
+    logits[4, 7] = float("nan")  # a NaN row
+    logits[5, ::2] = float("inf")  # inf - inf: NaN
+    logits[6] = 1e-3 * torch.arange(128)  # neighbouring fp32 scores
+    scores = torch.softmax(logits, dim=-1)
+    assert (scores[3] == 0).sum() == 125 and scores[4].isnan().all()
+    for k in (1, 8, 127, 128):
+        assert torch.equal(route._top_keyed(scores, k), route._top(route._nan_as_inf(scores), k)), k
+    for experts in (1, 2, 3, 257):
+        few = torch.softmax(torch.randn(9, experts, generator=g).bfloat16().float(), dim=-1)
+        assert torch.equal(route._top_keyed(few, experts), route._top(route._nan_as_inf(few), experts))
 
 
 @pytest.mark.slow

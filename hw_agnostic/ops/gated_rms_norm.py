@@ -36,6 +36,7 @@ from ..autotune.keys import token_bucket
 from ..kernels import gated_rms_norm as kernels
 from ..kernels.runtime import helion_available
 from . import checks
+from .compiled_reference import lean_compiled_reference
 from .registry import Op, Provider
 from .rms_norm import MAX_KERNEL_HIDDEN
 
@@ -227,7 +228,9 @@ gated_rms_norm_op = Op(
         "helion", _build, interpreters=frozenset({"triton", "helion"}), accepts=_helion_accepts,
         kernel=kernels.GATED_RMS_NORM, tuning_key=_tuning_key, available=helion_available,
     )],
-    example_inputs=_example, differentiable=True, fusable=True,
+    # The reference is written for any sizes (the group count follows the hidden size), so one
+    # traced graph per dtypes and scalars serves every shape (the CPU-path tests check).
+    example_inputs=_example, compiled_reference=lean_compiled_reference, differentiable=True, fusable=True,
 )
 
 

@@ -115,6 +115,7 @@ class LayerNormKey(NamedTuple):
     numerics: str
     rows_collapse: bool
     int64: bool
+    flat_parameters: bool  # weight and bias are [hidden] or absent
 
 
 def _check_parameter(op: str, name: str, value: Optional[Tensor], x: Tensor, *, per_head: bool) -> None:
@@ -213,8 +214,51 @@ def _key(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], numerics: 
     return LayerNormKey(
         x.device.type, x.dtype, None if weight is None else weight.dtype, None if bias is None else bias.dtype,
         _out_dtype(x, weight, bias, numerics), hidden, heads, token_bucket(x.numel() // (hidden * heads)), numerics,
-        collapse, checks.needs_int64(x, *more),
+        collapse, checks.needs_int64(x, *more), all(p is None or p.dim() == 1 for p in (weight, bias)),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# the native path: where the spec is ``nn.LayerNorm``'s own computation (fp32 statistics and
+# affine, one rounding), the reference provider runs its ATen kernel, ``F.layer_norm``: a
+# decode-size row is then one ATen call, as in the module it replaces.
+
+_HALVES = (torch.bfloat16, torch.float16)
+
+
+def _native_dtypes(key: LayerNormKey) -> bool:
+    """Whether ``F.layer_norm`` reads the parameters as the spec does: in x's dtype, or fp32
+    beside a 16-bit x (its mixed-dtype path computes in fp32), both parameters alike."""
+    dtypes = {d for d in (key.weight_dtype, key.bias_dtype) if d is not None}
+    return not dtypes or dtypes == {key.dtype} or dtypes == {torch.float32} and key.dtype in _HALVES
+
+
+def _native(form: str) -> object:
+    """``native(key)`` of the op's ``form`` (``"norm"``, ``"add"`` or ``"add_inplace"``): its run, bound
+    to the key (the normalised shape, Nemotron's ``1 + w``), or None where the spec is not F.layer_norm's."""
+
+    def native(key: LayerNormKey) -> object:
+        if key.numerics == "cast_then_affine" or not key.flat_parameters or not _native_dtypes(key):
+            return None
+        shape, one_plus = (key.hidden,), key.numerics == "one_plus" and key.weight_dtype is not None
+
+        def norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, numerics: str) -> Tensor:
+            # Nemotron's module adds the 1 in the weight's dtype
+            return torch.layer_norm(x, shape, weight + 1.0 if one_plus else weight, bias, eps)
+
+        def add(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                numerics: str) -> tuple[Tensor, Tensor]:
+            summed = residual + x
+            return norm(summed, weight, bias, eps, numerics), summed
+
+        def add_inplace(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                        numerics: str) -> None:
+            residual.add_(x)  # residual + x, rounded as the reference rounds it
+            x.copy_(norm(residual, weight, bias, eps, numerics))
+
+        return {"norm": norm, "add": add, "add_inplace": add_inplace}[form]
+
+    return native
 
 
 # --------------------------------------------------------------------------------------------
@@ -353,14 +397,14 @@ def _example_fused(tokens: int, hidden: int, dtype: torch.dtype, device: str) ->
 layer_norm_op = Op(
     "layer_norm", layer_norm_reference, check=check_layer_norm, key=layer_norm_key,
     providers=[_helion(_build_layer_norm, kernels.LAYER_NORM, _layer_norm_tuning_key)],
-    example_inputs=_example_layer_norm, differentiable=True, fusable=True,
+    example_inputs=_example_layer_norm, native=_native("norm"), differentiable=True, fusable=True,
 )
 fused_add_layer_norm_op = Op(
     "fused_add_layer_norm", fused_add_layer_norm_reference, check=check_fused_add_layer_norm,
     key=fused_add_layer_norm_key,
     providers=[_helion(lambda k, c, a: _build_fused(k, c, a, inplace=False), kernels.FUSED_ADD_LAYER_NORM,
                        _fused_tuning_key)],
-    example_inputs=_example_fused, differentiable=True, fusable=True,
+    example_inputs=_example_fused, native=_native("add"), differentiable=True, fusable=True,
 )
 fused_add_layer_norm_inplace_op = Op(
     "fused_add_layer_norm_", fused_add_layer_norm_inplace_reference, check=check_fused_add_layer_norm_inplace,
@@ -369,6 +413,7 @@ fused_add_layer_norm_inplace_op = Op(
                        _fused_tuning_key)],
     mutates_args=("x", "residual"), example_inputs=_example_fused,
     compiled_reference=lambda name, reference: CompiledAddThenNormalise(name, _normalise_into),
+    native=_native("add_inplace"),
 )
 
 

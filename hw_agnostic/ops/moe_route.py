@@ -91,11 +91,39 @@ def _moe_route_lean(
                                    topk_group, routed_scaling_factor)
     compute = torch.promote_types(router_logits.dtype, torch.float32)
     scores = torch.softmax(router_logits, dim=-1, dtype=compute)  # upcast fused
-    ids = _top(_nan_as_inf(scores), top_k)
+    if scores.dtype == torch.float32 and scores.shape[-1] <= MAX_KEYED_EXPERTS:
+        ids = _top_keyed(scores, top_k)
+    else:
+        ids = _top(_nan_as_inf(scores), top_k)
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights.div_(weights.sum(dim=-1, keepdim=True))
     return (weights if routed_scaling_factor == 1.0 else weights.mul_(routed_scaling_factor)), ids
+
+
+#: Experts whose fp32 scores :func:`_top_keyed` ranks exactly (a tie-break below half an fp32 ulp).
+MAX_KEYED_EXPERTS = 1 << 15
+_tie_breaks: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
+
+
+def _top_keyed(scores: Tensor, k: int) -> Tensor:
+    """:func:`_top` of fp32 softmax scores (in [0, 1], or NaN) by ``torch.topk``, which orders equal
+    values as it likes but costs a fraction of a stable sort on the CPU (0.2 vs 0.9 ms at 256 x 128).
+
+    Each score becomes a distinct fp64 key ``s * (1 + j * 2**-40) + j * 2**-1000``, ``j`` the
+    reversed index: the factor separates equal scores and keeps every key below the next fp32
+    number (``j * 2**-40 <= 2**-25``, half an ulp), the offset (normal fp64, so flushing subnormals changes nothing) separates zeros; NaN becomes 2,
+    above every probability, as :func:`_nan_as_inf` ranks it. Keys therefore order as the stable
+    descending sort orders the scores (the tests check ties, zeros and NaN)."""
+    experts = scores.shape[-1]
+    tie_break = _tie_breaks.get((experts, scores.device))
+    if tie_break is None:
+        reversed_index = torch.arange(experts - 1, -1, -1, dtype=torch.float64, device=scores.device)
+        tie_break = _tie_breaks[(experts, scores.device)] = (1 + reversed_index * 2.0 ** -40,
+                                                              reversed_index * 2.0 ** -1000)
+    factor, offset = tie_break
+    keys = torch.addcmul(offset, scores.to(torch.float64).nan_to_num_(nan=2.0), factor)
+    return torch.topk(keys, k, dim=-1)[1]
 
 
 def _lean_reference(op_name: str, reference: object) -> object:

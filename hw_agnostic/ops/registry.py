@@ -28,7 +28,10 @@ the ``hw_agnostic.ops`` logger each time a plan is made.
 
 On the reference path the reference runs compiled or in an allocation-lean form with the same
 results (the op's ``compiled_reference`` factory; see :mod:`.compiled_reference`), falling back
-to eager if compiling fails; ``HW_AGNOSTIC_COMPILE_REFERENCE=0`` runs the plain reference.
+to eager if compiling fails; ``HW_AGNOSTIC_COMPILE_REFERENCE=0`` runs the plain reference. Keys
+whose spec is the computation of one ATen kernel (``nn.LayerNorm``'s ``F.layer_norm``) run that
+kernel instead (the op's ``native(key)``): a decode-size call then costs what the module it
+replaces costs.
 """
 
 from __future__ import annotations
@@ -177,6 +180,7 @@ class Op:
         fake: Callable[..., Any] | None = None,
         differentiable: bool = False,
         fusable: bool = False,
+        native: Callable[[Any], Callable[..., Any] | None] | None = None,
     ) -> None:
         if name in _ops:
             raise ValueError(f"op {name!r} is already registered")
@@ -190,6 +194,8 @@ class Op:
         # and reference, called once per key (for ops whose reference Inductor cannot compile as
         # is, or that run faster another way with the reference's results).
         self.compiled_reference = compiled_reference or CompiledReference
+        # For a key, the ATen kernel computing the spec, or None (see the module docstring).
+        self.native = native
         # The fake implementation: the reference itself unless its output shapes depend on data.
         self.fake = fake or reference
         # Differentiable ops get a backward: the reference's, recomputed (kernels forward, autograd back).
@@ -501,12 +507,9 @@ def _check_override(op: Op, provider: Provider, key: Any, skipped: dict[str, str
 
 def _signature(args: tuple[Any, ...], storages: bool) -> tuple[Any, ...]:
     """What ``check`` and ``key`` read of the arguments (the metadata, never the data)."""
-    parts: list[Any] = []
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            parts.append((arg.shape, arg.stride(), arg.dtype, arg.device))
-        else:
-            parts.append((type(arg), arg))  # 1, 1.0 and True are equal, but not the same argument
+    # 1, 1.0 and True are equal, but not the same argument: scalars carry their type
+    parts = [(a.shape, a.stride(), a.dtype, a.device) if type(a) is torch.Tensor or isinstance(a, torch.Tensor)
+             else (type(a), a) for a in args]
     if storages:  # the in-place checks compare where the tensors lie
         parts.append(_placement(args))
     return tuple(parts)
@@ -514,15 +517,20 @@ def _signature(args: tuple[Any, ...], storages: bool) -> tuple[Any, ...]:
 
 def _placement(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """Where the tensor arguments lie, as far as the in-place checks can tell: they compare places
-    only through overlap (:func:`.checks.overlap`), so the pairs of arguments whose storages'
-    address ranges meet, with their addresses, and nothing of a tensor whose storage meets no
-    other's (a decode step's fresh K/V written into the same caches keeps one signature)."""
+    only through overlap (:func:`.checks.overlap`), so the pairs of arguments whose address ranges
+    (a contiguous tensor's own bytes, else its storage's) meet, with their addresses, and nothing
+    of a tensor that meets no other (a decode step's fresh K/V written into the same caches keeps
+    one signature)."""
     spans = []
     for i, arg in enumerate(args):
         if isinstance(arg, torch.Tensor):
-            storage = arg.untyped_storage()  # raises for tensors without storage: no shortcut then
-            start = storage.data_ptr()
-            spans.append((i, start, start + storage.nbytes(), arg))
+            if arg.is_contiguous():  # the bytes its elements span (raises without storage: no shortcut then)
+                start = arg.data_ptr()
+                spans.append((i, start, start + arg.nbytes, arg))
+            else:  # its storage's, which holds them
+                storage = arg.untyped_storage()
+                start = storage.data_ptr()
+                spans.append((i, start, start + storage.nbytes(), arg))
     meeting: list[Any] = []
     for n, (i, start, end, arg) in enumerate(spans):
         for j, other_start, other_end, other in spans[n + 1:]:
@@ -615,6 +623,9 @@ def _reference_provider(op: Op) -> Provider:
     def build(key: Any, config: dict[str, Any] | None, args: tuple[Any, ...]) -> Callable[..., Any]:
         if not compile_reference_enabled() or key.device not in ("cpu", "cuda"):
             return op.reference
+        native = op.native and op.native(key)
+        if native:
+            return native
         # On the CPU one compiled reference per op: it traces one graph per dtypes, ranks and
         # scalar arguments, every size symbolic. Elsewhere one per key up to the token count,
         # which dynamo keeps dynamic.

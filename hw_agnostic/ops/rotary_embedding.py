@@ -81,6 +81,35 @@ def _eager_reference(op_name: str, reference: object) -> object:
     return reference
 
 
+def _native(key: RotaryKey) -> object:
+    """Where the whole head rotates and the tables have q's dtype: the spec's products and sum,
+    rounded as HF rounds them, in fewer kernels and allocations (the tests check it bit for bit).
+
+    ``rotate_half(x) * sin`` is ``[-(x2 * s1), x1 * s2]``, which is ``roll(x, R/2) * [-s1, s2]``
+    exactly (negation is exact and rounding is symmetric); the signed table is computed once per
+    call for q and k, and the sum is added in place into ``x * cos``."""
+    if key.rotary_dim != key.head_dim or key.table_dtype != key.dtype:
+        return None
+    half = key.rotary_dim // 2
+    signs: dict[torch.device, Tensor] = {}
+
+    def rotated(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+        out = torch.mul(x, cos)
+        out.add_(x.roll(half, -1).mul_(signed_sin))
+        # laid out like x when x is dense (as empty_like(x)); else as the reference lays it out
+        return out if out.stride() == x.stride() else _laid_like(x, out)
+
+    def run(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        sign = signs.get(sin.device)
+        if sign is None:
+            sign = signs[sin.device] = torch.ones(2 * half, dtype=sin.dtype, device=sin.device)
+            sign[:half] = -1
+        cos, signed_sin = cos.unsqueeze(1), (sin * sign).unsqueeze(1)
+        return rotated(q, cos, signed_sin), rotated(k, cos, signed_sin)
+
+    return run
+
+
 # --------------------------------------------------------------------------------------------
 # checks and keys
 
@@ -199,7 +228,8 @@ def _example(tokens: int, head_dim: int, dtype: torch.dtype, device: str) -> tup
 
 rotary_embedding_op = Op(
     OP, rotary_embedding_reference, check=check_rotary_embedding, key=rotary_embedding_key, providers=[_HELION],
-    example_inputs=_example, compiled_reference=_eager_reference, fake=_rotary_embedding_shapes, differentiable=True,
+    example_inputs=_example, compiled_reference=_eager_reference, native=_native, fake=_rotary_embedding_shapes,
+    differentiable=True,
 )
 
 
