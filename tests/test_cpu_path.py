@@ -98,8 +98,11 @@ def test_norms_run_one_compiled_graph_per_specialisation_called_without_dynamo(m
 # Layer norms run F.layer_norm where the spec is nn.LayerNorm's computation, the compiled reference
 # elsewhere (cast_then_affine, per-head parameters): every case of the DSL tiers but the small-config
 # repeats (no kernel config applies here).
-LAYER_NORM_CASES = [c for c in layer_norm_tests.LN_CASES if c.config is None]
-FUSED_LAYER_NORM_CASES = [c for c in layer_norm_tests.FUSED_CASES if c.config is None]
+# Calls of more than NATIVE_MAX_ROWS rows run the compiled reference: one case of each form there.
+LAYER_NORM_CASES = [*(c for c in layer_norm_tests.LN_CASES if c.config is None),
+                    layer_norm_tests.ln_case((300,), 64, torch.bfloat16)]
+FUSED_LAYER_NORM_CASES = [*(c for c in layer_norm_tests.FUSED_CASES if c.config is None),
+                          layer_norm_tests.ln_case((300,), 64, torch.bfloat16, fused=True)]
 
 
 @pytest.mark.parametrize("case", LAYER_NORM_CASES, ids=repr)
@@ -123,7 +126,8 @@ def test_layer_norms_of_nn_layer_norm_numerics_run_its_aten_kernel():
     per_head = layer_norm.layer_norm_op.plan(torch.randn(3, 2, 64), torch.randn(2, 64), None, 1e-5, "fp32")
     chameleon = layer_norm.layer_norm_op.plan(x, weight, bias, 1e-5, "cast_then_affine")
     fp32_x_bf16_weight = layer_norm.layer_norm_op.plan(x.float(), weight.bfloat16(), None, 1e-5, "fp32")
-    for plan in (per_head, chameleon, fp32_x_bf16_weight):
+    many_rows = layer_norm.layer_norm_op.plan(torch.randn(300, 64), weight, bias, 1e-5, "fp32")
+    for plan in (per_head, chameleon, fp32_x_bf16_weight, many_rows):
         assert isinstance(plan.run, compiled_reference.CompiledReference), plan.describe()
 
 

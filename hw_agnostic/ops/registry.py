@@ -289,7 +289,13 @@ class Op:
         a repeated call costs one lookup of that signature instead of both.
         """
         try:
-            signature = _signature(args, bool(self.mutates_args))
+            # What check and key read (the metadata, never the data), inline: every eager call pays it.
+            # 1, 1.0 and True are equal, but not the same argument: scalars carry their type.
+            parts = [(a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
+                     for a in args]
+            if self.mutates_args:  # the in-place checks compare where the tensors lie
+                parts.append(_placement(args))
+            signature = tuple(parts)
             plan = self._checked.get(signature)
         except (TypeError, RuntimeError, NotImplementedError):  # unhashable, or a tensor without storage: no shortcut
             signature, plan = None, None
@@ -503,16 +509,6 @@ def _check_override(op: Op, provider: Provider, key: Any, skipped: dict[str, str
             why = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
             log.warning("hw_agnostic: use_config(%s, %s) has no effect here: %s runs the %s provider, which takes "
                         "no config%s", op.name, override, op.name, provider.name, f" ({why})" if why else "")
-
-
-def _signature(args: tuple[Any, ...], storages: bool) -> tuple[Any, ...]:
-    """What ``check`` and ``key`` read of the arguments (the metadata, never the data)."""
-    # 1, 1.0 and True are equal, but not the same argument: scalars carry their type
-    parts = [(a.shape, a.stride(), a.dtype, a.device) if type(a) is torch.Tensor or isinstance(a, torch.Tensor)
-             else (type(a), a) for a in args]
-    if storages:  # the in-place checks compare where the tensors lie
-        parts.append(_placement(args))
-    return tuple(parts)
 
 
 def _placement(args: tuple[Any, ...]) -> tuple[Any, ...]:
