@@ -112,9 +112,10 @@ def _top_keyed(scores: Tensor, k: int) -> Tensor:
 
     Each score becomes a distinct fp64 key ``s * (1 + j * 2**-40) + j * 2**-1000``, ``j`` the
     reversed index: the factor separates equal scores and keeps every key below the next fp32
-    number (``j * 2**-40 <= 2**-25``, half an ulp), the offset (normal fp64, so flushing subnormals changes nothing) separates zeros; NaN becomes 2,
-    above every probability, as :func:`_nan_as_inf` ranks it. Keys therefore order as the stable
-    descending sort orders the scores (the tests check ties, zeros and NaN)."""
+    number (``j * 2**-40 <= 2**-25``, half an ulp), the offset (a normal fp64 number: flushing
+    subnormals changes nothing) separates zeros; NaN becomes 2, above every probability, as
+    :func:`_nan_as_inf` ranks it. Keys therefore order as the stable descending sort orders the
+    scores (the tests check ties, zeros and NaN)."""
     experts = scores.shape[-1]
     tie_break = _tie_breaks.get((experts, scores.device))
     if tie_break is None:

@@ -29,9 +29,9 @@ the ``hw_agnostic.ops`` logger each time a plan is made.
 On the reference path the reference runs compiled or in an allocation-lean form with the same
 results (the op's ``compiled_reference`` factory; see :mod:`.compiled_reference`), falling back
 to eager if compiling fails; ``HW_AGNOSTIC_COMPILE_REFERENCE=0`` runs the plain reference. Keys
-whose spec is the computation of one ATen kernel (``nn.LayerNorm``'s ``F.layer_norm``) run that
-kernel instead (the op's ``native(key)``): a decode-size call then costs what the module it
-replaces costs.
+for which the op has a faster eager form with the spec's results (its ``native(key)``: the one
+ATen kernel of ``nn.LayerNorm`` for decode-size layer norms, HF's rotary products in fewer
+kernels) run that instead: a decode-size call then costs about what the module it replaces costs.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ class Op:
         # and reference, called once per key (for ops whose reference Inductor cannot compile as
         # is, or that run faster another way with the reference's results).
         self.compiled_reference = compiled_reference or CompiledReference
-        # For a key, the ATen kernel computing the spec, or None (see the module docstring).
+        # For a key, a faster eager form of the spec with its results, or None (see the module docstring).
         self.native = native
         # The fake implementation: the reference itself unless its output shapes depend on data.
         self.fake = fake or reference
