@@ -17,7 +17,6 @@ from hw_agnostic.kernels.interpret import interpreter_mode
 from hw_agnostic.ops import compiled_reference, registry
 from tests.harness import Case, check_provider
 from tests.ops import test_activations as activation_tests
-from tests.ops import test_gated_rms_norm as gated_tests
 from tests.ops import test_layer_norm as layer_norm_tests
 from tests.ops import test_rotary_embedding as rotary_tests
 from tests.ops import test_paged_attention as attention_tests
@@ -26,7 +25,6 @@ from tests.ops import test_rms_norm as norm_tests
 activations = importlib.import_module("hw_agnostic.ops.activations")
 rms_norm = importlib.import_module("hw_agnostic.ops.rms_norm")
 layer_norm = importlib.import_module("hw_agnostic.ops.layer_norm")
-gated_rms_norm = importlib.import_module("hw_agnostic.ops.gated_rms_norm")
 rotary = importlib.import_module("hw_agnostic.ops.rotary_embedding")
 
 pytestmark = pytest.mark.skipif(interpreter_mode() is not None, reason="the plain CPU path (no interpreter)")
@@ -129,17 +127,6 @@ def test_layer_norms_of_nn_layer_norm_numerics_run_its_aten_kernel():
     many_rows = layer_norm.layer_norm_op.plan(torch.randn(300, 64), weight, bias, 1e-5, "fp32")
     for plan in (per_head, chameleon, fp32_x_bf16_weight, many_rows):
         assert isinstance(plan.run, compiled_reference.CompiledReference), plan.describe()
-
-
-# Each (dtypes, ranks, scalars) compiles once (~1 s): the dtype x order x numerics sweep in bf16 and
-# fp32 (fp16 rounds as bf16 does), and every other case.
-GATED_CASES = [c for c in gated_tests.CASES if c.config is None and not c.id.startswith("7x39-float16")]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", GATED_CASES, ids=repr)
-def test_gated_rms_norm(case):
-    check_provider(gated_rms_norm.gated_rms_norm_op, "reference", _without_config(case), "cpu")
 
 
 ROTARY_CASES = [
