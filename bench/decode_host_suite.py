@@ -164,10 +164,12 @@ def measure(min_time_s: float, log: Callable[[str], None] = print) -> list[dict[
 
 def _measure(min_time_s: float, log: Callable[[str], None]) -> list[dict[str, Any]]:
     rows = []
-    with torch.inference_mode():  # rewire verifies on real kernels or the reference: outside the mode
+    # Under no_grad, as generate() steps (torch.inference_mode's tensors keep no version counter,
+    # and the rewired layers then run their last residual add alone; see backend.decoder).
+    with torch.no_grad():  # rewire verifies on real kernels or the reference: outside the mode
         counted = [Decoding(provider, layers, COUNTED_DTYPE) for provider in PROVIDERS for layers in DEPTHS]
         timed = [Decoding(provider, layers, TIMED_DTYPE) for provider in PROVIDERS for layers in DEPTHS]
-    with torch.inference_mode(), targets.compile_for([TARGET], run_reference=False, compile=False):
+    with torch.no_grad(), targets.compile_for([TARGET], run_reference=False, compile=False):
         for decoding in counted + timed:  # warm-up: plans built, first-call work done
             for _ in range(3):
                 decoding.step()

@@ -9,20 +9,39 @@ keywords the layer's own forward passes it (checked when the layout was detected
 original forward still runs in training mode, where the layer's dropouts matter. A norm that is
 not (or no longer) the library's ``RMSNorm`` or ``LayerNorm`` is called unfused, so verification may undo norms and
 fused layers independently.
+
+The layer's *last* residual add is fused too, with the norm that reads its output next (the next
+layer's input norm, or the model's final norm): :func:`link_next_norm` makes the layer compute
+``residual + x`` and that norm's result in one ``fused_add_rms_norm``, and leaves the result with
+the norm, which returns it when it is called on exactly that tensor, unchanged (the same object
+at the same version counter, its own parameters at theirs); any other call of the norm computes
+as before. So the norm's hooks still run, a model that changes its hidden states between layers
+(in place or not) gets them normalised as they are, and a norm that is never called on the
+output drops the link after one miss. Under ``torch.inference_mode`` (whose tensors keep no
+version counter, so an in-place change could not be seen) and while ``torch.compile`` traces
+(Inductor fuses the add itself) the add runs alone.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import types
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ..layers import LayerNorm, RMSNorm
 from .detect import DecoderLayout
 
+log = logging.getLogger(__name__)
+
 FUSABLE = ("pre_norm", "sandwich")
+#: on a fused layer: ``(parent, name)`` of the norm that reads its output next
+NEXT_NORM = "_hw_agnostic_next_norm"
+#: on a linked norm: ``(input, result, input version, parameter versions)`` computed by the layer before
+HANDED = "_hw_agnostic_handed"
 
 
 def add_and_norm(norm: nn.Module, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
@@ -78,12 +97,81 @@ def install_fused_forward(layer: nn.Module, layout: DecoderLayout, signature_def
         h = role["attention"](hidden_states=role["input_norm"](hidden), **attention_kwargs(rest, kwargs))[0]
         if sandwich:
             h, residual = add_and_norm(role["pre_mlp_norm"], role["post_attention_norm"](h), hidden)
-            return residual + role["post_mlp_norm"](role["mlp"](h))
+            return hand_off(self, role["post_mlp_norm"](role["mlp"](h)), residual)
         h, residual = add_and_norm(role["post_attention_norm"], h, hidden)
-        return residual + role["mlp"](h)
+        return hand_off(self, role["mlp"](h), residual)
 
     layer.forward = types.MethodType(forward, layer)
 
 
 def remove_fused_forward(layer: nn.Module) -> None:
     layer.__dict__.pop("forward", None)
+
+
+# --------------------------------------------------------------------------------------------
+# the last residual add, fused with the next norm
+
+
+_MISSED = ("missed",)  # left on a norm whose call did not take the result handed to it
+
+
+def _versions(norm: nn.Module) -> tuple[int, ...] | None:
+    """The version counters of ``norm``'s parameters (None: one is an inference tensor, which keeps none)."""
+    try:
+        return tuple([p._version for p in norm._parameters.values() if p is not None])
+    except RuntimeError:
+        return None
+
+
+def _takes_handoff(norm: Any) -> bool:
+    return getattr(norm.__dict__.get("forward"), "__func__", None) is _forward_taking_handoff
+
+
+def hand_off(layer: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
+    """``residual + x``; where ``layer`` is linked to the norm that reads it next, that norm's
+    result comes out of the same pass and is left with the norm (see the module docstring)."""
+    link = layer.__dict__.get(NEXT_NORM)
+    if link is None or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        return residual + x
+    norm = link[0]._modules.get(link[1])
+    if not isinstance(norm, (RMSNorm, LayerNorm)) or not _takes_handoff(norm) or not (
+            x.shape == residual.shape and x.dtype == residual.dtype and x.device == residual.device):
+        return residual + x
+    if HANDED in norm.__dict__:  # a result handed to it was not taken: it does not read this output
+        del norm.__dict__[HANDED], layer.__dict__[NEXT_NORM]
+        log.debug("%s: the norm after it did not read its output; its last add runs alone", type(layer).__name__)
+        return residual + x
+    versions = _versions(norm)
+    if versions is None:
+        return residual + x
+    normed, summed = type(norm).forward(norm, x, residual)
+    norm.__dict__[HANDED] = (summed, normed, summed._version, versions)
+    return summed
+
+
+def _forward_taking_handoff(self: nn.Module, x: Tensor, residual: Tensor | None = None) -> Any:
+    if torch.compiler.is_compiling():
+        return type(self).forward(self, x, residual)
+    handed = self.__dict__.pop(HANDED, None)
+    if handed is not None and handed is not _MISSED:
+        if residual is None and handed[0] is x and x._version == handed[2] and _versions(self) == handed[3]:
+            return handed[1]
+        self.__dict__[HANDED] = _MISSED  # the layer before stops handing results over
+    return type(self).forward(self, x, residual)
+
+
+def link_next_norm(layer: nn.Module, parent: nn.Module, name: str) -> None:
+    """Fuse ``layer``'s last residual add with ``parent.<name>``, the norm that reads its output next."""
+    norm = parent._modules[name]
+    norm.__dict__.pop(HANDED, None)
+    norm.__dict__["forward"] = types.MethodType(_forward_taking_handoff, norm)
+    layer.__dict__[NEXT_NORM] = (parent, name)
+
+
+def unlink_next_norm(layer: nn.Module, parent: nn.Module, name: str) -> None:
+    layer.__dict__.pop(NEXT_NORM, None)
+    norm = parent._modules.get(name)
+    if norm is not None:
+        norm.__dict__.pop(HANDED, None)
+        if _takes_handoff(norm):
+            del norm.__dict__["forward"]

@@ -29,9 +29,10 @@ class RewireReport:
             original = (original if isinstance(original, type) else type(original)).__name__
         self.entries.append(Entry(kind, path, original, result, detail))
 
-    def retract(self, path: str) -> None:
-        """Drop the ``replaced``/``fused`` entries at ``path`` (a change that was undone later)."""
-        self.entries = [e for e in self.entries if e.kind == "left" or e.path != path]
+    def retract(self, path: str, result: str) -> None:
+        """Drop the ``replaced``/``fused`` entry of a change that was undone later (a module may
+        hold several: an attention paged and its rotary routed, a layer fused and linked)."""
+        self.entries = [e for e in self.entries if e.kind == "left" or (e.path, e.result) != (path, result)]
 
     @property
     def replaced(self) -> list[Entry]:
@@ -69,7 +70,7 @@ class RewireReport:
         def line(values: tuple) -> str:
             return "  ".join(str(v)[:widths[i]].ljust(widths[i]) for i, v in enumerate(values)).rstrip()
 
-        summary = (f"{len(self.replaced)} replaced, {len(self.fused)} decoder layers fused, "
+        summary = (f"{len(self.replaced)} replaced, {len({e.path for e in self.fused})} decoder layers fused, "
                    f"{len(self.left)} left as they were")
         if self.verification is not None:
             summary += f"; {self.verification.describe()}"

@@ -44,7 +44,14 @@ from ..tolerances import mismatch
 from . import checkpoint
 from .attention import paging_changes
 from .changes import Change, swap
-from .decoder import FUSABLE, attention_call_refusal, install_fused_forward, remove_fused_forward
+from .decoder import (
+    FUSABLE,
+    attention_call_refusal,
+    install_fused_forward,
+    link_next_norm,
+    remove_fused_forward,
+    unlink_next_norm,
+)
 from .detect import (
     MLPSpec,
     NotDetected,
@@ -430,6 +437,7 @@ def _rotary(model: nn.Module, report: RewireReport, options: Options) -> list[Ch
 
 def _fused(model: nn.Module, report: RewireReport, options: Options) -> list[Change]:
     made: list[Change] = []
+    input_norms: dict[nn.Module, str] = {}  # fused layer -> the child name of its input norm
     for path, layer in model.named_modules():
         norms = {name for name, child in layer.named_children() if isinstance(child, (RMSNorm, LayerNorm))}
         if not looks_like_decoder_layer(layer, norms) or "forward" in layer.__dict__:
@@ -460,6 +468,45 @@ def _fused(model: nn.Module, report: RewireReport, options: Options) -> list[Cha
         op = "fused_add_layer_norm" if isinstance(getattr(layer, fused_norm), LayerNorm) else "fused_add_rms_norm"
         made.append(Change("fused", path, type(layer).__name__, layout.name,
                            f"residual add + {fused_norm} -> {op}", apply, undo))
+        input_norms[layer] = layout.roles["input_norm"]
+    return made + _next_norm_links(model, input_norms)
+
+
+def _next_norm_links(model: nn.Module, input_norms: dict[nn.Module, str]) -> list[Change]:
+    """Each fused layer of a layer list linked to the norm that reads its output next: the next
+    layer's input norm, and after the last layer the list's owner's one norm of that width (the
+    model's final norm); see :func:`~hw_agnostic.backend.decoder.hand_off` for what makes it safe."""
+    made: list[Change] = []
+    for owner_path, owner in model.named_modules():
+        for list_name, layers in owner.named_children():
+            if not isinstance(layers, nn.ModuleList):
+                continue
+            prefix = f"{owner_path}.{list_name}" if owner_path else list_name
+            children = list(layers._modules.items())
+            for n, (name, layer) in enumerate(children):
+                if layer not in input_norms:
+                    continue
+                if n + 1 < len(children):
+                    parent, norm = children[n + 1][1], input_norms.get(children[n + 1][1])
+                    where = f"{prefix}.{children[n + 1][0]}.{norm}"
+                else:
+                    width = layer._modules[input_norms[layer]].hidden_size
+                    finals = [child for child, module in owner.named_children()
+                              if isinstance(module, (RMSNorm, LayerNorm)) and module.hidden_size == width]
+                    parent, norm = owner, finals[0] if len(finals) == 1 else None
+                    where = f"{owner_path}.{norm}" if owner_path else str(norm)
+                if norm is None or not isinstance(parent._modules.get(norm), (RMSNorm, LayerNorm)):
+                    continue
+
+                def apply(layer: nn.Module = layer, parent: nn.Module = parent, norm: str = norm) -> None:
+                    link_next_norm(layer, parent, norm)
+
+                def undo(layer: nn.Module = layer, parent: nn.Module = parent, norm: str = norm) -> None:
+                    unlink_next_norm(layer, parent, norm)
+
+                apply()
+                made.append(Change("fused", f"{prefix}.{name}", type(layer).__name__, "next norm",
+                                   f"last residual add + {where} -> one fused add and norm", apply, undo))
     return made
 
 

@@ -224,7 +224,7 @@ class Verification:
                 for change, why in self._culprits(changes):
                     change.undo()
                     self.outcome.undone += 1
-                    report.retract(change.path)
+                    report.retract(change.path, change.result)
                     report.add("left", change.path, change.original,
                                detail=f"undone: the rewired model disagreed with the original ({why})")
         self.outcome.seconds += time.perf_counter() - started
@@ -236,7 +236,7 @@ class Verification:
             if change.kind not in ("norm", "mlp", "qkv", "router"):
                 change.undo()
                 self.outcome.undone += 1
-                report.retract(change.path)
+                report.retract(change.path, change.result)
                 report.add("left", change.path, change.original,
                            detail=f"undone: the whole model could not be verified ({self.outcome.reason})")
 

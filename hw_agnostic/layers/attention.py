@@ -310,10 +310,13 @@ class StepShare:
 
     def once(self, inputs: tuple[Any, ...], compute: Callable[[], Any], *, versioned: Optional[bool] = None) -> Any:
         """``compute()``, or what it gave for the same inputs (``versioned``: as for the share)."""
+        if torch.compiler.is_compiling():
+            # A traced graph computes its metadata as it goes (its tensors' identities and version
+            # counters are not the run's; the graph's own common-subexpression pass shares the work).
+            return compute()
         if self.versioned if versioned is None else versioned:
-            # Not kept: inputs without a version counter (inference tensors), and inside a traced
-            # graph (which reads no counters; the graph computes its metadata as it goes).
-            if torch.compiler.is_compiling() or any(isinstance(x, Tensor) and x.is_inference() for x in inputs):
+            # Not kept: inputs without a version counter (inference tensors).
+            if any(isinstance(x, Tensor) and x.is_inference() for x in inputs):
                 return compute()
             key = tuple(x if isinstance(x, _SHARED_BY_VALUE) else
                         (id(x), x._version) if isinstance(x, Tensor) else id(x) for x in inputs)

@@ -157,7 +157,8 @@ def test_torch_compile_fullgraph_of_a_rewired_model():
 
 def test_torch_compile_fullgraph_of_a_rewired_decode_step():
     """Decode steps over a paged cache trace as one graph: the cache's host bookkeeping (lengths
-    seen, the metadata its layers share) is plain Python state that dynamo follows."""
+    seen, the metadata its layers share) is plain Python state that dynamo follows, also in the
+    step whose K/V need a new block (the prompt fills the first block but one slot)."""
     from transformers import DynamicCache
 
     model = build("llama")
@@ -166,15 +167,16 @@ def test_torch_compile_fullgraph_of_a_rewired_decode_step():
     ours, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    block = model.model.layers[0].self_attn.block_size
     with torch.no_grad():
-        model(prompt(), past_key_values=ours, use_cache=True)
-        reference(prompt(), past_key_values=theirs, use_cache=True)
+        model(prompt(length=block - 1), past_key_values=ours, use_cache=True)
+        reference(prompt(length=block - 1), past_key_values=theirs, use_cache=True)
         for step in range(2):
             ids = prompt(length=1, seed=10 + step)
             got = compiled(ids, past_key_values=ours, use_cache=True).logits
             want = reference(ids, past_key_values=theirs, use_cache=True).logits
             assert _relative(got, want) <= 1e-5
-    assert ours.get_seq_length() == theirs.get_seq_length() == prompt().shape[1] + 2
+    assert ours.get_seq_length() == theirs.get_seq_length() == block + 1
 
 
 @pytest.mark.dsl
