@@ -61,3 +61,33 @@ def test_tuning_on_the_gpu_feeds_the_runtime(tmp_path, monkeypatch):
     assert results[0].status == "tuned" and results[0].time_us > 0
     x, weight, eps, numerics = op.example_inputs(128, 4096, torch.bfloat16, "cuda")
     assert op.plan(x, weight, eps, numerics).config.config == results[0].config
+
+
+def test_a_rewired_decode_step_captures_in_one_cuda_graph():
+    """A whole decode step of a rewired model records into one CUDA graph: no host synchronisation
+    and nothing the capture refuses on its path. The cache's host state advances once, at capture;
+    cropping it back leaves the tensors the graph reads as they were (nothing writes the lengths
+    in place), so a replay recomputes that step, and must give the eager step's logits."""
+    from transformers import DynamicCache
+
+    from hw_agnostic import rewire
+    from tests.backend.models import build, prompt
+
+    model = build("llama", dtype=torch.bfloat16).cuda()
+    rewire(model)
+    cache = DynamicCache(config=model.config)
+    token = prompt(batch=2, length=1, seed=7).cuda()
+    with torch.no_grad():
+        model(prompt(batch=2, length=9).cuda(), past_key_values=cache, use_cache=True)
+        want = model(token, past_key_values=cache, use_cache=True).logits.clone()  # plans built, kernels compiled
+        cache.crop(-1)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = model(token, past_key_values=cache, use_cache=True).logits
+        cache.crop(-1)
+        got.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    assert cache.get_seq_length() == 9
