@@ -8,6 +8,8 @@ step off. The registry compiles references with ``emulate_precision_casts``.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -16,6 +18,8 @@ from hw_agnostic import ops
 from hw_agnostic.ops import registry
 from tests.harness import seeded_generator
 from tests.ops import hf_norms
+
+gated = importlib.import_module("hw_agnostic.ops.gated_rms_norm")
 
 ENTRIES = [e for e in hf_norms.GATED_NORMS + hf_norms.LAYER_NORMS
            if e.id in ("MambaRMSNormGated", "Qwen3NextRMSNormGated", "ChameleonLayerNorm-qk")]
@@ -31,7 +35,8 @@ def compiled_reference(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("entry", ENTRIES, ids=repr)
-def test_compiled_reference_rounds_like_the_module(entry, compiled_reference):
+def test_compiled_reference_rounds_like_the_module(entry, compiled_reference, monkeypatch):
+    monkeypatch.setattr(gated, "NATIVE_MAX_ELEMENTS", 0)  # these sizes would take the native form
     g = seeded_generator(f"compiled-{entry.id}")
     module = hf_norms.build(entry, 60, g).to(torch.bfloat16)
     x, gate = hf_norms.inputs(entry, 60, torch.bfloat16, "cpu", g)
@@ -39,6 +44,18 @@ def test_compiled_reference_rounds_like_the_module(entry, compiled_reference):
     with torch.no_grad(), ops.trace_dispatch() as ran:
         got = entry.ours(module, x, gate)
     assert isinstance(ran[0].run, registry.CompiledReference) and ran[0].run.has_compiled
+    hf_norms.assert_same_rounding(got, want, share=0.0)
+
+
+@pytest.mark.parametrize("entry", [e for e in ENTRIES if "Gated" in e.id], ids=repr)
+def test_the_native_gated_form_rounds_like_the_module(entry, compiled_reference):
+    g = seeded_generator(f"native-{entry.id}")
+    module = hf_norms.build(entry, 60, g).to(torch.bfloat16)
+    x, gate = hf_norms.inputs(entry, 60, torch.bfloat16, "cpu", g)
+    want = hf_norms.run_module(entry, module, x, gate)
+    with torch.no_grad(), ops.trace_dispatch() as ran:
+        got = entry.ours(module, x, gate)
+    assert ran[0].run.__name__ == "native"
     hf_norms.assert_same_rounding(got, want, share=0.0)
 
 

@@ -17,6 +17,7 @@ from hw_agnostic.kernels.interpret import interpreter_mode
 from hw_agnostic.ops import compiled_reference, registry
 from tests.harness import Case, check_provider
 from tests.ops import test_activations as activation_tests
+from tests.ops import test_gated_rms_norm as gated_tests
 from tests.ops import test_layer_norm as layer_norm_tests
 from tests.ops import test_rotary_embedding as rotary_tests
 from tests.ops import test_paged_attention as attention_tests
@@ -26,6 +27,7 @@ activations = importlib.import_module("hw_agnostic.ops.activations")
 rms_norm = importlib.import_module("hw_agnostic.ops.rms_norm")
 layer_norm = importlib.import_module("hw_agnostic.ops.layer_norm")
 rotary = importlib.import_module("hw_agnostic.ops.rotary_embedding")
+gated = importlib.import_module("hw_agnostic.ops.gated_rms_norm")
 
 pytestmark = pytest.mark.skipif(interpreter_mode() is not None, reason="the plain CPU path (no interpreter)")
 
@@ -158,6 +160,37 @@ def test_rotary_embedding_is_bit_identical_to_the_reference(case):
         nan = spec.isnan()
         assert torch.equal(mine.isnan(), nan)
         assert torch.equal(_bits(mine.masked_fill(nan, 0)), _bits(spec.masked_fill(nan, 0)))
+
+
+GATED_CASES = [c for c in gated_tests.CASES if c.config is None]
+
+
+@pytest.mark.parametrize("case", GATED_CASES, ids=repr)
+def test_gated_rms_norm_native_form_is_bit_identical_to_the_reference(case):
+    """Every order, grouping, numerics, activation, dtype mix and layout; NaN and infinities too."""
+    x, gate, weight, eps, order, group_size, numerics, activation = case.make()
+    if x.numel():
+        x[..., ::5] = float("nan")
+        x[..., 1::7] = float("inf")
+        if gate is not None:
+            gate[..., 2::9] = float("-inf")
+    key = gated.gated_rms_norm_key(x, gate, weight, eps, order, group_size, numerics, activation)
+    native = gated._native(key._replace(tokens=1, hidden=1))  # the form itself, whatever the call's size
+    got = native(x, gate, weight, eps, order, group_size, numerics, activation)
+    want = gated.gated_rms_norm_reference(x, gate, weight, eps, order, group_size, numerics, activation)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(_bits(got.masked_fill(nan, 0)), _bits(want.masked_fill(nan, 0)))
+
+
+def test_gated_rms_norm_runs_its_native_form_at_decode_sizes_only():
+    small = gated_tests.gated_case((16,), 128, torch.bfloat16).make()
+    large = gated_tests.gated_case((64,), 4096, torch.bfloat16).make()
+    with ops.trace_dispatch() as ran:
+        ops.gated_rms_norm(*small[:4])
+        ops.gated_rms_norm(*large[:4])
+    assert ran[0].run.__name__ == "native" and getattr(ran[1].run, "__name__", None) != "native"
 
 
 ACTIVATION_CASES = activation_tests.CASES
