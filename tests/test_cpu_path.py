@@ -66,6 +66,54 @@ def test_fused_add_rms_norm(case, inplace):
     check_provider(op, "reference", _without_config(case), "cpu")
 
 
+def _inplace_accepts(case: Case) -> bool:
+    try:
+        rms_norm.check_fused_add_rms_norm_inplace(*case.make())
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+NATIVE_NORM_CASES = [(form, c) for c in norm_tests.FUSED_CASES if c.config is None
+                     for form in ("norm", "add", "add_inplace") if form != "add_inplace" or _inplace_accepts(c)]
+
+
+@pytest.mark.parametrize("form,case", NATIVE_NORM_CASES, ids=lambda v: v if isinstance(v, str) else repr(v))
+def test_rms_norm_native_forms_are_bit_identical_to_the_reference(form, case):
+    """Every numerics, dtype mix, layout and size of the harness; NaN and infinities too."""
+    x, residual, weight, eps, numerics = case.make()
+    if x.numel():
+        x[..., ::5] = float("nan")
+        residual[..., 1::7] = float("inf")
+    key = rms_norm.fused_add_rms_norm_key(x, residual, weight, eps, numerics)._replace(tokens=1, hidden=1)
+    native = rms_norm._native(form)(key)  # the form itself, whatever the call's size
+    want = rms_norm.fused_add_rms_norm_reference(x, residual, weight, eps, numerics)
+    if form == "norm":
+        got, want = (native(x, weight, eps, numerics),), (rms_norm.rms_norm_reference(x, weight, eps, numerics),)
+    elif form == "add":
+        got = native(x, residual, weight, eps, numerics)
+    else:
+        native(x, residual, weight, eps, numerics)
+        got = (x, residual)
+    for mine, spec in zip(got, want):
+        assert mine.dtype == spec.dtype and mine.shape == spec.shape
+        nan = spec.isnan()
+        assert torch.equal(mine.isnan(), nan)
+        assert torch.equal(_bits(mine.masked_fill(nan, 0)), _bits(spec.masked_fill(nan, 0)))
+
+
+def test_native_mode_runs_native_forms_at_every_size_and_compiles_nothing(monkeypatch):
+    monkeypatch.setenv(registry.COMPILE_ENV, "native")
+    ops.reset()
+    op = ops.get_op("rms_norm")
+    small, large = torch.randn(2, 64), torch.randn(4096, 64)
+    assert op.plan(small, None, 1e-6, "llama").run.__name__ == "norm"
+    assert op.plan(large, None, 1e-6, "llama").run.__name__ == "norm"
+    moe = ops.get_op("moe_route")  # no native form: the plain reference, not a compiled one
+    logits = torch.randn(4, 8)
+    assert moe.plan(logits, None, 2, "softmax", True, 1, 1, 1.0).run is moe.reference
+
+
 @pytest.mark.slow
 def test_norms_run_one_compiled_graph_per_specialisation_called_without_dynamo(monkeypatch):
     """Token counts and hidden sizes share a graph; small calls (up to 64K elements) have their own
@@ -75,6 +123,7 @@ def test_norms_run_one_compiled_graph_per_specialisation_called_without_dynamo(m
         raise AssertionError("a contiguous call went through torch.compile")
 
     monkeypatch.setattr(compiled_reference.CompiledReference, "_compiled", no_dynamo)
+    monkeypatch.setattr(rms_norm, "NATIVE_MAX_ELEMENTS", 0)  # the small calls below would run natively
     ops.reset(compiled_references=True)  # count this test's graphs only
     weight = torch.randn(256, dtype=torch.bfloat16)
     for tokens in (1, 3, 16, 40, 300):  # up to 256 rows of 256 single-threaded, 300 rows not

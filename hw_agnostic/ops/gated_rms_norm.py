@@ -37,7 +37,7 @@ from ..autotune.keys import token_bucket
 from ..kernels import gated_rms_norm as kernels
 from ..kernels.runtime import helion_available
 from . import checks
-from .registry import Op, Provider
+from .registry import Op, Provider, compile_reference_enabled
 from .rms_norm import MAX_KERNEL_HIDDEN
 
 ORDERS = kernels.ORDERS
@@ -105,8 +105,8 @@ def _gated_rms_norm(
 # call where the spec makes five; at decode sizes (where the compiled reference's call costs more
 # than the arithmetic) the spec then runs eagerly in fewer calls than the HF module makes.
 
-#: Elements (bucketed rows x hidden) up to which the native path runs; beyond, the compiled
-#: reference (one fused pass) is faster (measured: 16 x 8192 bf16, 330 us native against 85 us).
+#: Elements (bucketed rows x hidden) up to which the native path runs when the reference is compiled;
+#: beyond, the compiled reference (one fused pass) is faster (measured: 16 x 8192 bf16, 330 us native against 85 us).
 NATIVE_MAX_ELEMENTS = 32768
 
 
@@ -115,7 +115,7 @@ def _rms_norm_normalise(groups: Tensor, eps: float) -> Tensor:
 
 
 def _native(key: "GatedKey") -> Optional[Callable[..., Tensor]]:
-    if key.device != "cpu" or key.tokens * key.hidden > NATIVE_MAX_ELEMENTS:
+    if key.device != "cpu" or key.tokens * key.hidden > NATIVE_MAX_ELEMENTS and compile_reference_enabled():
         return None
 
     def native(x: Tensor, gate: Optional[Tensor], weight: Optional[Tensor], eps: float, order: str,

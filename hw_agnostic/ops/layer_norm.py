@@ -42,7 +42,7 @@ from ..autotune.keys import token_bucket
 from ..kernels import layer_norm as kernels
 from ..kernels.runtime import helion_available
 from . import checks
-from .registry import Op, Provider
+from .registry import Op, Provider, compile_reference_enabled
 from .rms_norm import MAX_KERNEL_HIDDEN, CompiledAddThenNormalise, check_inplace_buffers
 
 NUMERICS = kernels.NUMERICS
@@ -242,8 +242,8 @@ def _native(form: str) -> object:
     to the key (the normalised shape, Nemotron's ``1 + w``), or None where the spec is not F.layer_norm's."""
 
     def native(key: LayerNormKey) -> object:
-        if (key.tokens > NATIVE_MAX_ROWS or key.numerics == "cast_then_affine" or not key.flat_parameters
-                or not _native_dtypes(key)):
+        if (key.tokens > NATIVE_MAX_ROWS and compile_reference_enabled() or key.numerics == "cast_then_affine"
+                or not key.flat_parameters or not _native_dtypes(key)):
             return None
         shape, one_plus = (key.hidden,), key.numerics == "one_plus" and key.weight_dtype is not None
 

@@ -28,7 +28,8 @@ the ``hw_agnostic.ops`` logger each time a plan is made.
 
 On the reference path the reference runs compiled or in an allocation-lean form with the same
 results (the op's ``compiled_reference`` factory; see :mod:`.compiled_reference`), falling back
-to eager if compiling fails; ``HW_AGNOSTIC_COMPILE_REFERENCE=0`` runs the plain reference. Keys
+to eager if compiling fails; ``HW_AGNOSTIC_COMPILE_REFERENCE=0`` runs the plain reference, ``=native``
+the native forms below without compiling anything (the plain reference elsewhere). Keys
 for which the op has a faster eager form with the spec's results (its ``native(key)``: the one
 ATen kernel of ``nn.LayerNorm`` for decode-size layer norms, HF's rotary products in fewer
 kernels) run that instead: a decode-size call then costs about what the module it replaces costs.
@@ -587,8 +588,22 @@ def _first_device(args: tuple[Any, ...]) -> torch.device:
 # the reference provider
 
 
+#: ``HW_AGNOSTIC_COMPILE_REFERENCE=native``: the ops' native eager forms where they have one, the
+#: plain reference elsewhere, nothing compiled (inside an engine that compiles or runs small
+#: steps itself, e.g. vLLM, where per-key compiles cost more than they save).
+NATIVE_ONLY = "native"
+
+
+def reference_mode() -> str:
+    """How the reference provider runs: ``"compiled"`` (the default), ``"native"`` or ``"plain"``."""
+    value = os.environ.get(COMPILE_ENV, "1").lower()
+    if value == NATIVE_ONLY:
+        return "native"
+    return "plain" if value in ("0", "false", "no", "off") else "compiled"
+
+
 def compile_reference_enabled() -> bool:
-    return os.environ.get(COMPILE_ENV, "1").lower() not in ("0", "false", "no", "off")
+    return reference_mode() == "compiled"
 
 
 #: Each op's compiled references. They survive :func:`reset` (configs and modes do not change
@@ -617,11 +632,14 @@ def _reference_provider(op: Op) -> Provider:
     _compiled_references.append(compiled)
 
     def build(key: Any, config: dict[str, Any] | None, args: tuple[Any, ...]) -> Callable[..., Any]:
-        if not compile_reference_enabled() or key.device not in ("cpu", "cuda"):
+        mode = reference_mode()
+        if mode == "plain" or key.device not in ("cpu", "cuda"):
             return op.reference
         native = op.native and op.native(key)
         if native:
             return native
+        if mode == "native":
+            return op.reference
         # On the CPU one compiled reference per op: it traces one graph per dtypes, ranks and
         # scalar arguments, every size symbolic. Elsewhere one per key up to the token count,
         # which dynamo keeps dynamic.

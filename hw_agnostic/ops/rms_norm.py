@@ -33,7 +33,7 @@ from ..kernels import rms_norm as kernels
 from ..kernels.runtime import helion_available
 from . import checks
 from .compiled_reference import CompiledReference, lean_compiled_reference
-from .registry import Op, Provider
+from .registry import Op, Provider, compile_reference_enabled
 
 NUMERICS = kernels.NUMERICS
 MAX_KERNEL_HIDDEN = 65536
@@ -43,10 +43,15 @@ MAX_KERNEL_HIDDEN = 65536
 # the spec
 
 
-def _normalise(x: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> Tensor:
+def _mean_square_normalise(xf: Tensor, eps: float) -> Tensor:
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _normalise(x: Tensor, weight: Optional[Tensor], eps: float, numerics: str,
+               normalise: Callable[[Tensor, float], Tensor] = _mean_square_normalise) -> Tensor:
     compute = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(compute)
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    normed = normalise(xf, eps)
     if weight is None:
         return normed.to(x.dtype)
     if numerics == "llama":
@@ -96,6 +101,44 @@ class CompiledAddThenNormalise:
     def __call__(self, x: Tensor, residual: Tensor, *rest: object) -> None:
         residual.add_(x)
         self.normalise_into(x, residual, *rest)
+
+
+# --------------------------------------------------------------------------------------------
+# the native path: on the CPU, ``torch.rms_norm`` of the upcast rows is the spec's mean-square
+# normalisation op for op (bit-identical, NaN and overflow included; tests/test_cpu_path.py), one
+# call where the spec makes five: at decode sizes, where a compiled call costs more than its
+# arithmetic, the spec then runs eagerly in fewer calls than the HF module makes.
+
+#: Elements (bucketed rows x hidden) up to which the native path runs when the reference is compiled.
+NATIVE_MAX_ELEMENTS = 32768
+
+
+def _rms_norm_normalise(xf: Tensor, eps: float) -> Tensor:
+    return torch.rms_norm(xf, (xf.shape[-1],), None, eps)
+
+
+def _native(form: str) -> Callable[["NormKey"], Optional[Callable[..., object]]]:
+    """``native(key)`` of the op's ``form`` (``"norm"``, ``"add"`` or ``"add_inplace"``), or None."""
+
+    def native(key: NormKey) -> Optional[Callable[..., object]]:
+        if key.device != "cpu" or key.tokens * key.hidden > NATIVE_MAX_ELEMENTS and compile_reference_enabled():
+            return None
+
+        def norm(x: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> Tensor:
+            return _normalise(x, weight, eps, numerics, _rms_norm_normalise)
+
+        def add(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float,
+                numerics: str) -> tuple[Tensor, Tensor]:
+            summed = residual + x
+            return _normalise(summed, weight, eps, numerics, _rms_norm_normalise), summed
+
+        def add_inplace(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> None:
+            residual.add_(x)  # residual + x, rounded as the reference rounds it
+            x.copy_(_normalise(residual, weight, eps, numerics, _rms_norm_normalise))
+
+        return {"norm": norm, "add": add, "add_inplace": add_inplace}[form]
+
+    return native
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,12 +335,13 @@ def _example_fused(tokens: int, hidden: int, dtype: torch.dtype, device: str) ->
 rms_norm_op = Op(
     "rms_norm", rms_norm_reference, check=check_rms_norm, key=rms_norm_key,
     providers=[_helion(_build_rms_norm, kernels.RMS_NORM)], example_inputs=_example_rms_norm,
-    compiled_reference=lean_compiled_reference, differentiable=True, fusable=True,
+    compiled_reference=lean_compiled_reference, differentiable=True, fusable=True, native=_native("norm"),
 )
 fused_add_rms_norm_op = Op(
     "fused_add_rms_norm", fused_add_rms_norm_reference, check=check_fused_add_rms_norm, key=fused_add_rms_norm_key,
     providers=[_helion(lambda k, c, a: _build_fused(k, c, a, inplace=False), kernels.FUSED_ADD_RMS_NORM)],
     example_inputs=_example_fused, compiled_reference=lean_compiled_reference, differentiable=True, fusable=True,
+    native=_native("add"),
 )
 fused_add_rms_norm_inplace_op = Op(
     "fused_add_rms_norm_", fused_add_rms_norm_inplace_reference, check=check_fused_add_rms_norm_inplace,
@@ -305,6 +349,7 @@ fused_add_rms_norm_inplace_op = Op(
     providers=[_helion(lambda k, c, a: _build_fused(k, c, a, inplace=True), kernels.FUSED_ADD_RMS_NORM)],
     mutates_args=("x", "residual"), example_inputs=_example_fused,
     compiled_reference=lambda name, reference: CompiledAddThenNormalise(name, _normalise_into, lean=True),
+    native=_native("add_inplace"),
 )
 
 

@@ -30,9 +30,10 @@ naming them and the versions this plugin supports. Diagnostics go to the ``vllm.
 logger, which vLLM's log configuration shows.
 
 On the CPU the library's ops run their plain-PyTorch reference; the plugin makes it run eagerly
-(``HW_AGNOSTIC_COMPILE_REFERENCE=0`` unless the user set it): inside vLLM the compiled-reference
-path compiled once per shape key and made generation ~10x slower, while the eager reference runs
-at vLLM's own speed (``make bench`` suite ``vllm``).
+(``HW_AGNOSTIC_COMPILE_REFERENCE=native`` unless the user set it: the ops' native eager forms where
+they have one, e.g. ``torch.rms_norm`` inside the norms, the plain reference elsewhere): inside vLLM
+the compiled-reference path compiled once per shape key and made generation ~10x slower, while the
+eager reference runs at vLLM's own speed (``make bench`` suite ``vllm``).
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def register() -> None:
             "; ".join(f"{name}: {', '.join(names)}" for name, names in missing.items()),
         )
     if current_platform.is_cpu() and COMPILE_REFERENCE_ENV not in os.environ:
-        os.environ[COMPILE_REFERENCE_ENV] = "0"
+        os.environ[COMPILE_REFERENCE_ENV] = "native"
     counts.start_if_requested()
 
 
