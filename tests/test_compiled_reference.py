@@ -34,28 +34,22 @@ def compiled_reference(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("entry", ENTRIES, ids=repr)
-def test_compiled_reference_rounds_like_the_module(entry, compiled_reference, monkeypatch):
-    monkeypatch.setattr(gated, "NATIVE_MAX_ELEMENTS", 0)  # these sizes would take the native form
+@pytest.mark.parametrize("entry,path", [(e, "compiled") for e in ENTRIES]
+                         + [(e, "native") for e in ENTRIES if "Gated" in e.id], ids=repr)
+def test_the_cpu_path_rounds_like_the_module(entry, path, compiled_reference, monkeypatch):
+    """Compiled (larger calls) and, for the gated norms, native (decode sizes: these)."""
+    if path == "compiled":
+        monkeypatch.setattr(gated, "NATIVE_MAX_ELEMENTS", 0)
     g = seeded_generator(f"compiled-{entry.id}")
     module = hf_norms.build(entry, 60, g).to(torch.bfloat16)
     x, gate = hf_norms.inputs(entry, 60, torch.bfloat16, "cpu", g)
     want = hf_norms.run_module(entry, module, x, gate)
     with torch.no_grad(), ops.trace_dispatch() as ran:
         got = entry.ours(module, x, gate)
-    assert isinstance(ran[0].run, registry.CompiledReference) and ran[0].run.has_compiled
-    hf_norms.assert_same_rounding(got, want, share=0.0)
-
-
-@pytest.mark.parametrize("entry", [e for e in ENTRIES if "Gated" in e.id], ids=repr)
-def test_the_native_gated_form_rounds_like_the_module(entry, compiled_reference):
-    g = seeded_generator(f"native-{entry.id}")
-    module = hf_norms.build(entry, 60, g).to(torch.bfloat16)
-    x, gate = hf_norms.inputs(entry, 60, torch.bfloat16, "cpu", g)
-    want = hf_norms.run_module(entry, module, x, gate)
-    with torch.no_grad(), ops.trace_dispatch() as ran:
-        got = entry.ours(module, x, gate)
-    assert ran[0].run.__name__ == "native"
+    if path == "compiled":
+        assert isinstance(ran[0].run, registry.CompiledReference) and ran[0].run.has_compiled
+    else:
+        assert ran[0].run.__name__ == "native"
     hf_norms.assert_same_rounding(got, want, share=0.0)
 
 
