@@ -136,7 +136,8 @@ def _flatten(result: Any) -> list[torch.Tensor]:
     return [r for r in result if isinstance(r, torch.Tensor)]
 
 
-def check_provider(op: Op, provider: str, case: Case, device: str) -> None:
+def check_provider(op: Op, provider: str, case: Case, device: str) -> Any:
+    """The checks of the module docstring on one case; returns the op's result for further checks."""
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) and a.device.type != device else a for a in case.make())
     names = list(inspect.signature(op.reference).parameters)
     mutated = {names.index(n) for n in op.mutates_args}
@@ -190,6 +191,7 @@ def check_provider(op: Op, provider: str, case: Case, device: str) -> None:
             assert _same_bits(bases[i][outside], before[i][outside]), f"{names[i]}: elements outside the view changed"
         else:
             assert _same_bits(bases[i], before[i]), f"argument {names[i]} (or its buffer) was modified"
+    return result
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

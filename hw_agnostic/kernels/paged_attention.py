@@ -38,6 +38,12 @@ writes its normalised partial output and log-sum-exp; :func:`_merge_splits` comb
 (and the sink) per row. When to split is decided by :func:`choose_num_splits` (see there), per
 call, from the batch's Python-int sizes and the device's SM count.
 
+The kernels write every row of ``out``, so the op allocates it unfilled (no zero-fill launch per
+call): the rows no sequence owns (before ``cu_seqlens_q[0]``, from ``cu_seqlens_q[num_seqs]`` on:
+the padding of a captured or compacted batch) are zeroed by the kernel that writes ``out`` (the
+one-pass kernel, or with splits the merge), each program taking an equal share before its own
+rows (:func:`_unowned_share`; well-formed offsets keep the two kinds of rows apart).
+
 Every address that comes from data (block ids, slots, row offsets) is clamped or masked into its
 tensor, so malformed metadata gives wrong numbers, never an out-of-bounds access; the op's
 reference path validates the metadata and raises.
@@ -93,6 +99,30 @@ def _nonfinite_values(visible: torch.Tensor, v_tile: torch.Tensor) -> torch.Tens
                        torch.where(negatives > 0.0, float("-inf"), 0.0)))
 
 
+def _unowned_share(cu_seqlens_q: torch.Tensor, num_seqs: int, heads: int, q_rows: int, program: int,
+                   programs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(begin, end, head_end, tail_begin)``: program ``program`` of ``programs`` zeroes positions
+    ``[begin, end)`` of the ``q_rows``-row output's rows no sequence owns, numbered from the head's
+    ``[0, head_end)`` on to the tail's ``[tail_begin, q_rows)``; inlined into the kernels.
+
+    Equal shares of ``ceil(q_rows / programs)`` rows, a division of sizes (padding can be most of a
+    captured batch: too much for one program); offsets out of range are clamped into the output.
+    """
+    head_end = torch.clamp(hl.load(cu_seqlens_q, [0]).to(torch.int64) * heads, 0, q_rows)
+    tail_begin = torch.clamp(hl.load(cu_seqlens_q, [num_seqs]).to(torch.int64) * heads, 0, q_rows)
+    unowned = head_end + (q_rows - tail_begin)
+    # A tensor: one division per program (as a size, `program * share` expands into one per term).
+    share = hl.full([], (q_rows + programs - 1) // programs, torch.int64)
+    begin = unowned - torch.clamp(unowned - program * share, min=0)  # min(program * share, unowned)
+    return begin, torch.minimum(begin + share, unowned), head_end, tail_begin
+
+
+def _unowned_row(position: torch.Tensor, head_end: torch.Tensor, tail_begin: torch.Tensor) -> torch.Tensor:
+    """The output row at ``position`` among the rows no sequence owns (see :func:`_unowned_share`)."""
+    position = position.to(torch.int64)
+    return torch.where(position < head_end, position, position + (tail_begin - head_end))
+
+
 def _paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -127,6 +157,19 @@ def _paged_attention(
         seq = tile_s.begin
         kv_head = tile_h.begin
         split_id = tile_k.begin
+        dims = hl.arange(head_dim).to(torch.int64)
+        dims_ok = dims < head_dim
+        # Zeroes first: after the attention (with nothing else live) the compilers spilled more.
+        if not split:  # with splits, the merge writes `out`
+            program = ((seq * num_kv_heads + kv_head) * num_splits + split_id) * tile_p.count + tile_p.id
+            zero_begin, zero_end, head_end, tail_begin = _unowned_share(
+                cu_seqlens_q, num_seqs, num_kv_heads * group, q_rows, program,
+                num_seqs * num_kv_heads * num_splits * tile_p.count)
+            for tile_z in hl.tile(zero_begin, zero_end, block_size=block_keys):
+                spare = _unowned_row(tile_z.index, head_end, tail_begin)
+                hl.store(out, [spare, dims], hl.zeros([tile_z, head_dim], dtype=out.dtype),
+                         extra_mask=(spare < q_rows)[:, None] & dims_ok[None, :])
+
         q_start = cu_seqlens_q[seq]
         q_len = cu_seqlens_q[seq + 1] - q_start
         kv_len = kv_lens[seq]
@@ -134,8 +177,6 @@ def _paged_attention(
         head = kv_head * group + tile_p.index % group
         rows = (q_start + token).to(torch.int64) * (num_kv_heads * group) + head
         row_ok = (token < q_len) & (rows >= 0) & (rows < q_rows)
-        dims = hl.arange(head_dim).to(torch.int64)
-        dims_ok = dims < head_dim
         q_tile = hl.load(q, [rows, dims], extra_mask=row_ok[:, None] & dims_ok[None, :])
         position = kv_len - q_len + token
 
@@ -219,17 +260,26 @@ def _merge_splits(
     head_dim = hl.specialize(out.size(1))
     q_rows = out.size(0)
     split_block = hl.register_block_size(num_splits)
+    row_block = hl.register_block_size(q_rows)  # rows zeroed at a time
     for tile_s, tile_h, tile_p in hl.tile([num_seqs, num_kv_heads, packed_rows], block_size=[1, 1, None]):
         seq = tile_s.begin
         kv_head = tile_h.begin
+        dims = hl.arange(head_dim).to(torch.int64)
+        dims_ok = dims < head_dim
+        program = (seq * num_kv_heads + kv_head) * tile_p.count + tile_p.id
+        zero_begin, zero_end, head_end, tail_begin = _unowned_share(
+            cu_seqlens_q, num_seqs, num_kv_heads * group, q_rows, program, num_seqs * num_kv_heads * tile_p.count)
+        for tile_z in hl.tile(zero_begin, zero_end, block_size=row_block):
+            spare = _unowned_row(tile_z.index, head_end, tail_begin)
+            hl.store(out, [spare, dims], hl.zeros([tile_z, head_dim], dtype=out.dtype),
+                     extra_mask=(spare < q_rows)[:, None] & dims_ok[None, :])
+
         q_start = cu_seqlens_q[seq]
         q_len = cu_seqlens_q[seq + 1] - q_start
         token = tile_p.index // group
         head = kv_head * group + tile_p.index % group
         rows = (q_start + token).to(torch.int64) * (num_kv_heads * group) + head
         row_ok = (token < q_len) & (rows >= 0) & (rows < q_rows)
-        dims = hl.arange(head_dim).to(torch.int64)
-        dims_ok = dims < head_dim
         sink = hl.load(sinks, [head]).to(torch.float32) * 1.4426950408889634
         row_max = sink
         for tile_k in hl.tile(num_splits, block_size=split_block):
@@ -355,12 +405,13 @@ def split_launch_config(config: Config) -> tuple[Any, Config]:
 
 def merge_config(num_splits: int, packed_rows: int) -> Config:
     """The merge kernel's config (not tuned: it moves ``num_splits`` partial rows per output row)."""
-    return {"block_sizes": [next_power_of_2(num_splits), min(next_power_of_2(max(packed_rows, 1)), 64)], "num_warps": 4,
-            "num_stages": 1}
+    # block sizes: splits, rows zeroed at a time (those no sequence owns), packed rows
+    return {"block_sizes": [next_power_of_2(num_splits), 16, min(next_power_of_2(max(packed_rows, 1)), 64)],
+            "num_warps": 4, "num_stages": 1}
 
 
 PAGED_ATTENTION = KernelSpec(
-    "paged_attention", (_slots, _nonfinite_values, _paged_attention, _merge_splits),
+    "paged_attention", (_slots, _nonfinite_values, _unowned_share, _unowned_row, _paged_attention, _merge_splits),
     default_paged_attention_config,
     paged_attention_candidates,
 )

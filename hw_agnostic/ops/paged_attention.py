@@ -492,9 +492,11 @@ class _AttentionLaunch:
 
     def __call__(self, *args: Any) -> Tensor:
         q = args[0]
-        out = torch.zeros_like(q, memory_format=torch.contiguous_format)
         if q.shape[0] == 0 or args[5].shape[0] == 0 or args[10] == 0:
-            return out  # no query rows to compute (an empty grid, which Helion's eager mode mishandles)
+            # No query rows to compute (an empty grid, which Helion's eager mode mishandles).
+            return torch.zeros_like(q, memory_format=torch.contiguous_format)
+        # Not zero-filled: the kernel writes every row, those no sequence owns as zeros.
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self.num_splits = self.splits_for(args)
         launch_args = self._attention_args(*args, out=out, num_splits=self.num_splits)
         attention, merge = self._launches(launch_args, self.num_splits)

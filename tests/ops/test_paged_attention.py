@@ -32,13 +32,15 @@ def attention_case(
     sinks: bool = False,
     config: dict | None = None,
     unowned_rows: int = 0,
+    leading_rows: int = 0,
     q_layout: str = "contiguous",
     cache_layout: str = "contiguous",
     hints: bool = True,
 ) -> Case:
     """A varlen batch: sequence ``s`` has ``q_lens[s]`` new queries and ``kv_lens[s]`` keys in the cache.
 
-    ``unowned_rows`` appends query rows no sequence owns (padding of a captured batch);
+    ``unowned_rows`` appends query rows no sequence owns (padding of a captured batch) and
+    ``leading_rows`` puts such rows before the first sequence (``cu_seqlens_q[0] > 0``);
     ``q_layout="fused"`` makes ``q`` a strided view of a fused QKV projection; ``cache_layout="view"``
     makes the caches views into a larger buffer (as Hugging Face's paged cache hands them over), so
     the harness also checks nothing outside them is touched.
@@ -53,6 +55,9 @@ def attention_case(
         )
         if unowned_rows:
             q = torch.cat([q, torch.randn(unowned_rows, num_q_heads, head_dim, generator=g).to(dtype)])
+        if leading_rows:
+            q = torch.cat([torch.randn(leading_rows, num_q_heads, head_dim, generator=g).to(dtype), q])
+            cu = cu + leading_rows
         if q_layout == "fused":
             width = (num_q_heads + 2 * num_kv_heads) * head_dim
             fused = torch.randn(q.shape[0], width, generator=g).to(dtype)
@@ -106,7 +111,6 @@ ATTENTION_CASES = [
     attention_case("split4-decode-window", [1, 1], [200, 90], heads=(4, 2), window=40, config=split_config(4)),
     attention_case("split2-mixed-sinks", [4, 1], [40, 60], heads=(4, 2), sinks=True, config=split_config(2)),
     # layouts and edge cases of the batch
-    attention_case("unowned-rows-and-empty-sequence", [3, 0, 1], [20, 12, 5], unowned_rows=2),
     attention_case("more-queries-than-keys", [6, 1], [4, 3]),
     attention_case("fused-q-view-cache-views", [5, 1], [21, 40], q_layout="fused", cache_layout="view"),
     attention_case("no-hints", [5, 1], [37, 16], hints=False),
@@ -122,6 +126,58 @@ ATTENTION_CASES = [
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=repr)
 def test_paged_attention_dsl(provider, case, device):
     check_provider(paged_attention_op, provider, case, device)
+
+
+# Rows no sequence owns, before the first sequence and after the last: the op allocates its
+# output without filling it, so the kernels must write them (zeros). Decode and prefill, one pass
+# and split-KV (where the merge writes the output), tiny shapes for the interpreters.
+_UNOWNED_BATCHES = {"decode": ([1, 1, 1], [20, 9, 33]), "prefill": ([5, 3], [5, 19])}
+UNOWNED_ROWS_CASES = [
+    attention_case(f"unowned-{leading}-{trailing}-{batch}-splits{splits}", *_UNOWNED_BATCHES[batch], heads=(4, 2),
+                   head_dim=16, leading_rows=leading, unowned_rows=trailing, config=split_config(splits))
+    for batch in _UNOWNED_BATCHES for splits in (1, 2) for leading, trailing in ((0, 0), (0, 3), (2, 0), (2, 3))
+] + [
+    attention_case("unowned-rows-and-empty-sequence", [3, 0, 1], [20, 12, 5], unowned_rows=2),
+    attention_case("unowned-both-fused-q", [4, 1], [9, 30], heads=(4, 2), head_dim=16, leading_rows=3,
+                   unowned_rows=2, q_layout="fused"),
+    # sequences that own no row, no hints: the grid is sized by q's rows, every one unowned (and
+    # more of them than the programs' shares would cover if a share were rounded down)
+    *[attention_case(f"every-row-unowned-no-hints-splits{splits}", [0, 0, 0], [4, 7, 2], heads=(4, 2), head_dim=16,
+                     leading_rows=1, unowned_rows=4, hints=False, config=split_config(splits)) for splits in (1, 2)],
+]
+
+
+@pytest.mark.dsl
+@pytest.mark.parametrize("provider", dsl_providers(paged_attention_op))
+@pytest.mark.parametrize("case", UNOWNED_ROWS_CASES, ids=repr)
+def test_rows_no_sequence_owns_are_zeros_dsl(provider, case, device):
+    """The harness checks the owned rows against the reference in NaN-filled allocations; the rows
+    before ``cu_seqlens_q[0]`` and from ``cu_seqlens_q[-1]`` on must be exact zeros."""
+    got = check_provider(paged_attention_op, provider, case, device).cpu()
+    cu = case.make()[4]
+    owned = torch.zeros(got.shape[0], dtype=torch.bool)
+    owned[int(cu[0]):int(cu[-1])] = True
+    assert torch.equal(got[~owned], torch.zeros_like(got[~owned])), "rows no sequence owns are not zeros"
+
+
+@pytest.mark.dsl
+@pytest.mark.parametrize("provider", dsl_providers(paged_attention_op))
+def test_the_output_is_allocated_without_a_fill(provider, device, monkeypatch):
+    """What makes the test above able to fail: with its kernels' launches skipped, the op returns
+    the harness's NaN poison in every row (no zero-fill hides a row the kernel does not write)."""
+    from hw_agnostic.ops.paged_attention import _AttentionLaunch
+    from tests.harness import poisoned_allocations
+
+    def skip_launch(*args):
+        return None
+
+    monkeypatch.setattr(_AttentionLaunch, "_launches", lambda self, launch_args, num_splits: (skip_launch, None))
+    args = attention_case("unfilled", [2, 1], [5, 9], heads=(4, 2), head_dim=16, leading_rows=1,
+                          unowned_rows=1).make()
+    with ops.use_provider(provider, paged_attention_op), poisoned_allocations(), ops.trace_dispatch() as ran:
+        got = paged_attention_op(*[a.to(device) if isinstance(a, torch.Tensor) else a for a in args])
+    assert [p.provider for p in ran] == [provider]
+    assert bool(torch.isnan(got).all())
 
 
 @pytest.mark.dsl
@@ -144,15 +200,16 @@ def test_a_wrong_block_table_entry_fails_the_check(provider, device, monkeypatch
 @pytest.mark.dsl
 @settings(max_examples=fuzz_examples(6, 20), deadline=None, suppress_health_check=list(HealthCheck))
 # Found by fuzzing: no query rows at all (an empty grid; Helion's eager mode mishandled it).
-@example(batch=[(0, 0)], window=None, sinks=False, num_splits=1, unowned_rows=1)
+@example(batch=[(0, 0)], window=None, sinks=False, num_splits=1, unowned_rows=1, leading_rows=0)
 @given(
     batch=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 30)), min_size=1, max_size=3),
     window=st.sampled_from([None, 1, 5]),
     sinks=st.booleans(),
     num_splits=st.sampled_from([1, 2, 3]),
     unowned_rows=st.integers(0, 2),
+    leading_rows=st.integers(0, 2),
 )
-def test_fuzz_batches(batch, window, sinks, num_splits, unowned_rows):
+def test_fuzz_batches(batch, window, sinks, num_splits, unowned_rows, leading_rows):
     """Random batch shapes and runtime options on one kernel specialisation per split mode (the
     specialisations themselves are covered case by case above; each costs a compile)."""
     from tests.conftest import kernel_device
@@ -160,8 +217,9 @@ def test_fuzz_batches(batch, window, sinks, num_splits, unowned_rows):
     q_lens = [q for q, _ in batch]
     kv_lens = [max(q, kv) for q, kv in batch]
     case = attention_case(
-        f"fuzz-{batch}-{window}-{sinks}-{num_splits}-{unowned_rows}", q_lens, kv_lens, heads=(4, 2),
+        f"fuzz-{batch}-{window}-{sinks}-{num_splits}-{unowned_rows}-{leading_rows}", q_lens, kv_lens, heads=(4, 2),
         window=window, sinks=sinks, config=split_config(num_splits), unowned_rows=unowned_rows,
+        leading_rows=leading_rows,
     )
     for provider in dsl_providers(paged_attention_op):
         check_provider(paged_attention_op, provider, case, kernel_device())
@@ -179,19 +237,21 @@ def test_fuzz_batches(batch, window, sinks, num_splits, unowned_rows):
     softcap=st.sampled_from([None, 2.0, 30.0]),
     sinks=st.booleans(),
     num_splits=st.sampled_from([1, 3]),
+    unowned=st.tuples(st.integers(0, 2), st.integers(0, 2)),
 )
 def test_fuzz_heads_dtypes_and_features(batch, heads, head_dim, block_size, dtype, window, softcap, sinks,
-                                        num_splits):
+                                        num_splits, unowned):
     """Head counts and GQA ratios, head dims, cache block sizes, dtypes, window / softcap / sinks
-    together, split-KV on and off: the kernel specialisations, drawn at random."""
+    together, split-KV on and off, rows no sequence owns before and after: the kernel
+    specialisations, drawn at random."""
     from tests.conftest import kernel_device
 
     q_lens = [q for q, _ in batch]
     kv_lens = [max(q, kv) for q, kv in batch]
     case = attention_case(
-        f"fuzz-{batch}-{heads}-{head_dim}-{block_size}-{dtype}-{window}-{softcap}-{sinks}-{num_splits}", q_lens,
-        kv_lens, heads=heads, head_dim=head_dim, block_size=block_size, dtype=dtype, window=window, softcap=softcap,
-        sinks=sinks, config=split_config(num_splits),
+        f"fuzz-{batch}-{heads}-{head_dim}-{block_size}-{dtype}-{window}-{softcap}-{sinks}-{num_splits}-{unowned}",
+        q_lens, kv_lens, heads=heads, head_dim=head_dim, block_size=block_size, dtype=dtype, window=window,
+        softcap=softcap, sinks=sinks, config=split_config(num_splits), leading_rows=unowned[0], unowned_rows=unowned[1],
     )
     for provider in dsl_providers(paged_attention_op):
         check_provider(paged_attention_op, provider, case, kernel_device())
