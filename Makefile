@@ -81,7 +81,7 @@ test-compile-harness: $(VENV)/.installed-test
 	HW_AGNOSTIC_COMPILE_TARGETS=$(HARNESS_TARGETS) $(PYTEST) -k _dsl tests/ops
 
 # The compile tier with the GPU image's Triton (3.6) in a venv of its own: Helion's generated
-# Triton and Triton's backends differ between versions. Not in `make test`: about 9 minutes on
+# Triton and Triton's backends differ between versions. Not in `make test`: about 7 minutes on
 # 2 cores with a cold Triton cache (5 warm), plus about a minute to create the venv.
 TRITON36_VENV ?= .venv-triton36
 TRITON36_PY := $(TRITON36_VENV)/bin/python
