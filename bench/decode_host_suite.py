@@ -20,7 +20,9 @@ code do not depend on those widths. Each provider is built at two depths; the pe
 is the slope between them and the per-step cost at 32 layers is read off that line (the
 intercept is the model's own per-step work: embedding, masks, final norm, LM head). The line
 goes through each depth's fastest sample (other load on a shared machine only adds to a
-sample), with one intra-op thread (a decode step's host work is one thread's).
+sample), with one intra-op thread (a decode step's host work is one thread's). Each provider is
+measured under ``no_grad`` (what ``generate()`` steps under) and under ``inference_mode`` (pipelines,
+serving engines), one row each (see :data:`MODES`).
 """
 
 from __future__ import annotations
@@ -152,24 +154,32 @@ def _line(low: float, high: float) -> tuple[float, float]:
     return per_layer, low + per_layer * (REPORTED_LAYERS - DEPTHS[0])
 
 
-def measure(min_time_s: float, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """One row per provider: launches and host µs per layer and per 32-layer step (see the module docstring)."""
+#: The grad modes a step is measured under: ``generate()`` steps under ``no_grad``; pipelines and
+#: serving engines under ``inference_mode``, whose tensors keep no version counter or view
+#: tracking (cheaper views and in-place ops) and where the rewired layers run their last residual
+#: add alone (a version counter is what lets a norm take the result the layer before computed).
+MODES: dict[str, Callable[[], Any]] = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+
+
+def measure(min_time_s: float, log: Callable[[str], None] = print,
+            modes: tuple[str, ...] = tuple(MODES)) -> list[dict[str, Any]]:
+    """Per grad mode, one row per provider: launches and host µs per layer and per 32-layer step
+    (see the module docstring)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _measure(min_time_s, log)
+        return [row for mode in modes for row in _measure(min_time_s, log, mode)]
     finally:
         torch.set_num_threads(threads)
 
 
-def _measure(min_time_s: float, log: Callable[[str], None]) -> list[dict[str, Any]]:
+def _measure(min_time_s: float, log: Callable[[str], None], mode: str) -> list[dict[str, Any]]:
     rows = []
-    # Under no_grad, as generate() steps (torch.inference_mode's tensors keep no version counter,
-    # and the rewired layers then run their last residual add alone; see backend.decoder).
-    with torch.no_grad():  # rewire verifies on real kernels or the reference: outside the mode
+    grad_mode = MODES[mode]
+    with torch.no_grad():  # rewire verifies on real kernels or the reference: outside inference_mode
         counted = [Decoding(provider, layers, COUNTED_DTYPE) for provider in PROVIDERS for layers in DEPTHS]
         timed = [Decoding(provider, layers, TIMED_DTYPE) for provider in PROVIDERS for layers in DEPTHS]
-    with torch.no_grad(), targets.compile_for([TARGET], run_reference=False, compile=False):
+    with grad_mode(), targets.compile_for([TARGET], run_reference=False, compile=False):
         for decoding in counted + timed:  # warm-up: plans built, first-call work done
             for _ in range(3):
                 decoding.step()
@@ -185,11 +195,11 @@ def _measure(min_time_s: float, log: Callable[[str], None]) -> list[dict[str, An
         # the 32-layer step's distribution, from the deeper model's samples scaled along the line
         scale = us_step / t_high.min
         scaled = Timing(tuple(s * scale for s in t_high.samples), t_high.calls_per_sample)
-        log(f"decode host {provider}: {aten_layer + dsl_layer:.1f} launches/layer ({dsl_layer:.1f} DSL), "
+        log(f"decode host {mode} {provider}: {aten_layer + dsl_layer:.1f} launches/layer ({dsl_layer:.1f} DSL), "
             f"{us_layer:.1f} µs/layer, {us_step:.0f} µs per {REPORTED_LAYERS}-layer step, "
             f"{high[2]} host syncs/step")
         rows.append({
-            "suite": "decode_host", "op": OP, "shape": f"{REPORTED_LAYERS}L ctx{CONTEXT}", "tokens": 1,
+            "suite": "decode_host", "op": f"{OP} {mode}", "shape": f"{REPORTED_LAYERS}L ctx{CONTEXT}", "tokens": 1,
             "width": NARROW["hidden_size"], "dtype": "bfloat16",  # counted in bf16, timed in fp32
             "provider": provider, "ran": provider, "config_source": "", **scaled.columns(),
             "launches_per_layer": aten_layer + dsl_layer, "dsl_launches_per_layer": dsl_layer,
@@ -201,20 +211,25 @@ def _measure(min_time_s: float, log: Callable[[str], None]) -> list[dict[str, An
     return rows
 
 
+def _modes(only: Callable[[str], bool]) -> tuple[str, ...]:
+    return tuple(mode for mode in MODES if only(f"{OP} {mode}"))
+
+
 def count(device: torch.device, quick: bool, only: Callable[[str], bool] = lambda label: True) -> int:
-    return len(PROVIDERS) if only(OP) else 0
+    return len(PROVIDERS) * len(_modes(only))
 
 
 def run(device: torch.device, *, quick: bool, log: Callable[[str], None],
         only: Callable[[str], bool] = lambda label: True) -> Iterator[dict[str, Any]]:
-    if not only(OP):
+    modes = _modes(only)
+    if not modes:
         return
     if device.type != "cpu":
         log("decode host: measured on the CPU (launches are counted, not run), whatever --device says")
-    log(f"{OP}: {', '.join(PROVIDERS)} at {DEPTHS[0]} and {DEPTHS[1]} layers")
-    yield from measure(0.3 if quick else 2.0, log)
+    log(f"{OP}: {', '.join(PROVIDERS)} at {DEPTHS[0]} and {DEPTHS[1]} layers, under {', '.join(modes)}")
+    yield from measure(0.3 if quick else 2.0, log, modes)
 
 
 if __name__ == "__main__":
     for row in measure(1.0):
-        print({k: row[k] for k in ("provider", "launches_per_layer", "host_us_per_layer", "time_us")})
+        print({k: row[k] for k in ("op", "provider", "launches_per_layer", "host_us_per_layer", "time_us")})
