@@ -45,7 +45,8 @@ size the grid (``max_q_len``, default: the number of query rows) and choose betw
 kernel and the split-KV (flash-decoding) kernel (see
 :func:`hw_agnostic.kernels.paged_attention.choose_num_splits`); a batch of single-query sequences
 is a decode batch. A hint smaller than the truth is an error of the caller (queries or keys past
-it are not computed); a larger one only costs time.
+it are not computed: on the kernel path the output is allocated unfilled, so the rows of queries
+past ``max_q_len`` hold whatever the memory held); a larger one only costs time.
 """
 
 from __future__ import annotations
