@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 import pytest
@@ -136,7 +135,6 @@ def test_reference_runs_compiled_and_rounds_where_eager_does(monkeypatch):
     casts away: llama numerics would become fp32_scale); the activations' eager in-place form is
     bit-identical to the reference."""
     monkeypatch.setenv(registry.COMPILE_ENV, "1")
-    monkeypatch.setattr(importlib.import_module("hw_agnostic.ops.rms_norm"), "NATIVE_MAX_ELEMENTS", 0)
     ops.reset()
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(64, generator=g).to(torch.bfloat16)
@@ -154,7 +152,6 @@ def test_reference_falls_back_to_eager_when_compiling_fails(monkeypatch, caplog,
     from hw_agnostic.ops import compiled_reference
 
     monkeypatch.setenv(registry.COMPILE_ENV, "1")
-    monkeypatch.setattr(importlib.import_module("hw_agnostic.ops.rms_norm"), "NATIVE_MAX_ELEMENTS", 0)
 
     def broken_compile(fn, **kwargs):
         def run(*args):

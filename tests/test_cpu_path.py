@@ -124,7 +124,6 @@ def test_norms_run_one_compiled_graph_per_specialisation_called_without_dynamo(m
         raise AssertionError("a contiguous call went through torch.compile")
 
     monkeypatch.setattr(compiled_reference.CompiledReference, "_compiled", no_dynamo)
-    monkeypatch.setattr(rms_norm, "NATIVE_MAX_ELEMENTS", 0)  # the small calls below would run natively
     ops.reset(compiled_references=True)  # count this test's graphs only
     weight = torch.randn(256, dtype=torch.bfloat16)
     for tokens in (1, 3, 16, 40, 300):  # up to 256 rows of 256 single-threaded, 300 rows not
