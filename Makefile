@@ -18,7 +18,7 @@ BENCH_ARGS ?=
 # Compile targets of the compile tier and compile-report (sm_80,sm_90,sm_100,gfx942,gfx1100).
 COMPILE_TARGETS ?= all
 
-.PHONY: test test-reference test-triton-interpret test-helion-interpret test-compile test-compile-harness test-compile-triton36 test-zoo zoo-coverage test-vllm mutation bench autotune demo \
+.PHONY: test test-cpu-tiers test-reference test-triton-interpret test-helion-interpret test-compile test-compile-harness test-compile-triton36 test-zoo zoo-coverage test-vllm mutation bench autotune demo \
 	doctor compile-report target-defaults gpu-campaign gpu-wheels clean
 
 $(VENV)/.installed-%: pyproject.toml
@@ -29,7 +29,14 @@ $(VENV)/.installed-%: pyproject.toml
 
 # Tiers, each in its own processes: Helion cannot run with both interpreters set, kernels
 # generated under an interpreter do not compile for GPUs, and vLLM has its own venv.
-test: test-reference test-triton-interpret test-helion-interpret test-compile test-zoo test-vllm
+# The vLLM venv (minutes of download and unpacking, one core at most) installs while the CPU
+# tiers run, one tier at a time.
+test:
+	@$(MAKE) --no-print-directory -j2 test-cpu-tiers $(VLLM_VENV)/.installed
+	@$(MAKE) --no-print-directory test-vllm
+
+test-cpu-tiers:
+	@$(MAKE) --no-print-directory -j1 test-reference test-triton-interpret test-helion-interpret test-compile test-zoo
 
 test-reference: $(VENV)/.installed-test
 	$(PYTEST) -m "not zoo" tests

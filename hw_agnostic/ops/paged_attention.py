@@ -532,9 +532,14 @@ def example_paged_batch(
     for seq, count in enumerate(used):
         table[seq, :count] = order[taken:taken + count]
         taken += count
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    q = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=g).to(dtype)
+    def random(*shape: int) -> Tensor:
+        if torch.device(device).type == "meta":  # no values to draw: model-sized caches cost nothing
+            return torch.empty(shape, dtype=dtype, device="meta")
+        return torch.randn(shape, generator=g).to(dtype)
+
+    k_cache = random(num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache = random(num_blocks, block_size, num_kv_heads, head_dim)
+    q = random(sum(q_lens), num_q_heads, head_dim)
     cu = torch.tensor([0, *torch.tensor(q_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
     lens = torch.tensor(kv_lens, dtype=torch.int32)
     return tuple(t.to(device) for t in (q, k_cache, v_cache, table, cu, lens))  # type: ignore[return-value]

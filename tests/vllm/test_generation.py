@@ -1,6 +1,6 @@
 """vLLM with the plugin against vLLM without it, end to end, on tiny offline checkpoints.
 
-Three child processes (each pays vLLM's start-up once; see ``run_llm.py``):
+Three child processes (each pays vLLM's start-up once; see ``run_llm.py``), the first two side by side:
 
 * vLLM without the plugin (``VLLM_PLUGINS=""``), its own hw-agnostic layers: llama, gemma and
   mixtral eager, llama compiled;
@@ -35,9 +35,8 @@ MAX_TOKENS = 12
 CHILD_TIMEOUT_S = 420
 
 
-def _run(tmp: Path, name: str, runs: list[dict], *, plugin: bool, extra_env: dict[str, str] | None = None) -> dict:
+def _start(tmp: Path, name: str, runs: list[dict], *, plugin: bool, extra_env: dict[str, str] | None = None):
     spec = tmp / f"{name}.spec.json"
-    out = tmp / f"{name}.out.json"
     spec.write_text(json.dumps({"runs": runs, "max_tokens": MAX_TOKENS, "prompts": PROMPTS}))
     env = dict(os.environ)
     env.pop("HW_AGNOSTIC_COMPILE_REFERENCE", None)  # the plugin chooses the CPU path itself
@@ -47,14 +46,25 @@ def _run(tmp: Path, name: str, runs: list[dict], *, plugin: bool, extra_env: dic
                **(extra_env or {}))
     if not plugin:
         env["VLLM_PLUGINS"] = ""  # an allow-list naming no plugin
-    log = tmp / f"{name}.log"
-    with open(log, "w") as stream:
-        proc = subprocess.run([sys.executable, str(HERE / "run_llm.py"), str(spec), str(out)], env=env,
-                              stdout=stream, stderr=subprocess.STDOUT, timeout=CHILD_TIMEOUT_S, cwd=tmp)
-    text = log.read_text()
+    stream = open(tmp / f"{name}.log", "w")
+    proc = subprocess.Popen([sys.executable, str(HERE / "run_llm.py"), str(spec), str(tmp / f"{name}.out.json")],
+                            env=env, stdout=stream, stderr=subprocess.STDOUT, cwd=tmp)
+    return name, proc, stream
+
+
+def _finish(tmp: Path, started) -> dict:
+    name, proc, stream = started
+    try:
+        proc.wait(timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    stream.close()
+    text = (tmp / f"{name}.log").read_text()
     assert proc.returncode == 0, f"{name} failed (rc {proc.returncode}); log tail:\n{text[-6000:]}"
-    return {"tokens": json.loads(out.read_text()), "log": text,
-            "counts": counts.read_counts(tmp / f"{name}.counts") if (tmp / f"{name}.counts").exists() else []}
+    counts_dir = tmp / f"{name}.counts"
+    return {"tokens": json.loads((tmp / f"{name}.out.json").read_text()), "log": text,
+            "counts": counts.read_counts(counts_dir) if counts_dir.exists() else []}
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +73,26 @@ def runs(tmp_path_factory):
     models = {family: str(build(family, tmp / family)) for family in FAMILIES}
     single = [{"name": f, "model": models[f], "eager": True} for f in FAMILIES]
     single.append({"name": "llama_compiled", "model": models["llama"], "eager": False})
+    cores = sorted(os.sched_getaffinity(0))
+    assert len(cores) >= 2, f"tensor parallel 2 needs two cores, this process may use {cores}"
+    # Without and with the plugin side by side, each on a core of its own (vLLM's start-up is
+    # mostly single-threaded Python: together they take about the time of one).
     in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    return {
-        "vllm": _run(tmp, "vllm", single, plugin=False, extra_env=in_process),
-        "plugin": _run(tmp, "plugin", single, plugin=True,
-                       extra_env={**in_process, "TORCH_LOGS": "graph_code,graph_breaks"}),
-        "tp2": _run(tmp, "tp2", [{"name": "mixtral_tp2", "model": models["mixtral"], "eager": True, "tp": 2}],
-                    plugin=True, extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
-    }
+    without = _start(tmp, "vllm", single, plugin=False,
+                     extra_env={**in_process, "VLLM_CPU_OMP_THREADS_BIND": str(cores[0])})
+    with_plugin = _start(tmp, "plugin", single, plugin=True,
+                         extra_env={**in_process, "VLLM_CPU_OMP_THREADS_BIND": str(cores[1]),
+                                    "TORCH_LOGS": "graph_code,graph_breaks"})
+    try:
+        results = {"vllm": _finish(tmp, without), "plugin": _finish(tmp, with_plugin)}
+    finally:  # one failed: do not leave the other running
+        for _, proc, _ in (without, with_plugin):
+            if proc.poll() is None:
+                proc.kill()
+    tp2 = _start(tmp, "tp2", [{"name": "mixtral_tp2", "model": models["mixtral"], "eager": True, "tp": 2}],
+                 plugin=True, extra_env={"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}|{cores[1]}"})
+    results["tp2"] = _finish(tmp, tp2)
+    return results
 
 
 @pytest.mark.parametrize("name", [*FAMILIES, "llama_compiled"])
