@@ -150,12 +150,16 @@ def _suites(names: str) -> list[str]:
     return chosen
 
 
-def _call(function: Callable[..., Any], *args: Any, only: Callable[[str], bool] | None, **kwargs: Any) -> Any:
-    """Pass ``only`` to suites that take it (a suite added later may not)."""
+def _call(function: Callable[..., Any], *args: Any, only: Callable[[str], bool] | None, out: Path | None = None,
+          **kwargs: Any) -> Any:
+    """Pass ``only`` (and ``out``, the run's folder) to suites that take them (a suite added later may not)."""
     import inspect
 
-    if only is not None and "only" in inspect.signature(function).parameters:
+    parameters = inspect.signature(function).parameters
+    if only is not None and "only" in parameters:
         kwargs["only"] = only
+    if out is not None and "out" in parameters:
+        kwargs["out"] = out
     return function(*args, **kwargs)
 
 
@@ -241,7 +245,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m bench") -> int
                    "commit": meta["commit"] or "", **meta["versions"]}
         for name, module in modules.items():
             started = time.monotonic()
-            for row in _call(module.run, device, quick=args.quick, log=progress.log, only=only):
+            for row in _call(module.run, device, quick=args.quick, log=progress.log, only=only, out=out):
                 # a suite may bring its own ceiling (e.g. the fp32 matmul rate of an fp32 model)
                 results.add({**context, **{k: v for k, v in row.items() if v is not None}})
                 progress.done += 1

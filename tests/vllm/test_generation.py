@@ -39,7 +39,7 @@ def _start(tmp: Path, name: str, runs: list[dict], *, plugin: bool, extra_env: d
     spec = tmp / f"{name}.spec.json"
     spec.write_text(json.dumps({"runs": runs, "max_tokens": MAX_TOKENS, "prompts": PROMPTS}))
     env = dict(os.environ)
-    env.pop("HW_AGNOSTIC_COMPILE_REFERENCE", None)  # the plugin chooses the CPU path itself
+    env.pop("HW_AGNOSTIC_COMPILE_REFERENCE", None)  # the library's default CPU path, as a user gets it
     env.update(VLLM_USE_HW_AGNOSTIC="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(tmp / f"{name}.cache"),
                HW_AGNOSTIC_VLLM_COUNTS_DIR=str(tmp / f"{name}.counts"),
                HW_AGNOSTIC_VLLM_OVERRIDES="+attention,+moe",  # off by default on the CPU (speed), tested here

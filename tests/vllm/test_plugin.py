@@ -32,7 +32,7 @@ def fresh_registries(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(plugin, "_registered", None)
     monkeypatch.delenv(plugin.OVERRIDES_ENV, raising=False)
     monkeypatch.delenv(counts.COUNTS_ENV, raising=False)
-    monkeypatch.setenv(plugin.COMPILE_REFERENCE_ENV, "0")
+    monkeypatch.setenv("HW_AGNOSTIC_COMPILE_REFERENCE", "0")  # the plain reference: the numerics tests compare it bit for bit
     yield main_ops.op_registry_oot, hw_ops.op_registry_oot
     for registry, before in zip((main_ops.op_registry_oot, hw_ops.op_registry_oot), saved):
         registry.clear()

@@ -23,17 +23,19 @@ override           vLLM class replaced                           library ops
 ``-moe,-attention`` leaves those to vLLM, ``+attention`` turns on one that is off by default.
 All are on by default except, on the CPU, ``attention`` and ``moe``: the library has no CPU
 kernels for them, and their plain-PyTorch references (loops over sequences and over experts) ran
-generation at a fraction of the speed of vLLM's C++ CPU kernels (``bench/results/cpu/vllm.md``). Each override runs vLLM's own code for the calls or
+generation at a fraction of the speed of vLLM's C++ CPU kernels (``bench/results/cpu/vllm/vllm.md``). Each override runs vLLM's own code for the calls or
 layers the ops do not cover (see its module).
 An override whose vLLM names are missing in the installed vLLM is skipped, with one warning
 naming them and the versions this plugin supports. Diagnostics go to the ``vllm.hw_agnostic``
 logger, which vLLM's log configuration shows.
 
-On the CPU the library's ops run their plain-PyTorch reference; the plugin makes it run eagerly
-(``HW_AGNOSTIC_COMPILE_REFERENCE=native`` unless the user set it: the ops' native eager forms where
-they have one, e.g. ``torch.rms_norm`` inside the norms, the plain reference elsewhere): inside vLLM
-the compiled-reference path compiled once per shape key and made generation ~10x slower, while the
-eager reference runs at vLLM's own speed (``make bench`` suite ``vllm``).
+On the CPU the ops run the library's default CPU path, as outside vLLM: the reference traced
+once per dtype and rank with every size symbolic, compiled by Inductor and called without
+Dynamo's guards (or a native eager form where that is faster), so no shape of a step
+recompiles. An earlier path that ran ``torch.compile`` once per shape key made generation ~10x
+slower inside vLLM; this one generates at vLLM's own speed (``bench/results/cpu/vllm/vllm.md``,
+the ``vllm`` suite of ``python -m bench``). ``HW_AGNOSTIC_COMPILE_REFERENCE=native`` runs nothing
+compiled (each process then starts without the few seconds of first-call compiles).
 """
 
 from __future__ import annotations
@@ -46,11 +48,10 @@ from ._compat import SUPPORTED_VERSIONS, missing_names
 
 ENABLE_ENV = "VLLM_USE_HW_AGNOSTIC"
 OVERRIDES_ENV = "HW_AGNOSTIC_VLLM_OVERRIDES"
-COMPILE_REFERENCE_ENV = "HW_AGNOSTIC_COMPILE_REFERENCE"
 OVERRIDES = ("rms_norm", "gemma_rms_norm", "silu_and_mul", "gelu_and_mul", "swiglu_oai", "moe", "attention")
 CPU_ONLY = frozenset({"attention"})
 # Where the library has no CPU kernel, its CPU provider is the plain-PyTorch reference, and for
-# these two that is slower than vLLM's C++ CPU kernels (bench/results/cpu/vllm.md).
+# these two that is slower than vLLM's C++ CPU kernels (bench/results/cpu/vllm/vllm.md).
 OFF_BY_DEFAULT_ON_CPU = {
     "attention": "off by default on the CPU, where the library's paged attention is its slow reference "
                  f"({OVERRIDES_ENV}=+attention turns it on)",
@@ -138,8 +139,6 @@ def register() -> None:
             getattr(vllm, "__version__", "?"), ", ".join(missing), SUPPORTED_VERSIONS,
             "; ".join(f"{name}: {', '.join(names)}" for name, names in missing.items()),
         )
-    if current_platform.is_cpu() and COMPILE_REFERENCE_ENV not in os.environ:
-        os.environ[COMPILE_REFERENCE_ENV] = "native"
     counts.start_if_requested()
 
 

@@ -6,7 +6,9 @@ every process that loads the plugin writes ``<dir>/ops-<pid>.json``:
 
 * ``ops``: ``{op: {provider: calls}}``, the library's own dispatch counts (``Plan.calls``), so
   a call counts where it ran, also when it was a ``torch.ops.hw_agnostic`` node of a compiled
-  graph;
+  graph; except the ``fusable`` overloads (on the CPU the norms and activations under vLLM's
+  ``torch.compile``), which Inductor inlines into its own code: nothing of ours dispatches them,
+  so a compiled CPU run counts none of them (``layers`` still says what was built);
 * ``layers``: how many vLLM modules each override built, and how many fell back to vLLM (with
   the reason), e.g. ``{"attention": 2, "moe:vllm": 0}``;
 * ``graph_breaks``: Dynamo's graph-break count in that process.
