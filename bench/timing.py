@@ -145,13 +145,26 @@ def copy_bandwidth(device: torch.device, megabytes: int = COPY_MEGABYTES) -> Cop
     return CopyBandwidth(moved / (into * 1e-6) / 1e9, moved / (fresh * 1e-6) / 1e9)
 
 
-def matmul_tflops(device: torch.device, size: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
-    """Same-run dense matmul rate, the ceiling for compute-bound ops."""
-    size = size if device.type != "cpu" else 2048
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
+def matmul_tflops(device: torch.device, size: int = 8192, dtype: torch.dtype = torch.bfloat16,
+                  one_call_s: float = 0.25) -> float:
+    """Same-run dense matmul rate, the ceiling for compute-bound ops.
+
+    The product is square, ``size`` (2048 on the CPU) or smaller: sizes double from 256 while
+    one product would stay under ``one_call_s``, so a device without fast units for ``dtype``
+    (an AVX2 CPU multiplies bf16 at about 1 GFLOP/s, where one 2048-cube takes 20 s) reports its
+    slow rate in seconds instead of minutes.
+    """
+    limit = size if device.type != "cpu" else 2048
+    n, elapsed = 256, 0.0
+    while True:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        elapsed = first_call_s(lambda: a @ b, device)
+        if n * 2 > limit or elapsed * 8 > one_call_s:
+            break
+        n *= 2
     us = measure(lambda: a @ b, device, min_time_s=1.0).median
-    return 2 * size**3 / (us * 1e-6) / 1e12
+    return 2 * n**3 / (us * 1e-6) / 1e12
 
 
 def timed_row(fn: Callable[[], Any], device: torch.device, **measure_options: Any) -> dict[str, float]:
