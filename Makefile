@@ -7,7 +7,7 @@ DEVICE ?= auto
 OPS ?= all
 PYTEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
-PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) -q
+PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) -q --durations=10
 
 # make bench: QUICK=1 for the small grid, SUITES=ops,model to pick suites, OUT=bench/results/cpu to
 # update the committed results (default: a new folder under bench/runs/), BENCH_ARGS for the rest.
