@@ -35,7 +35,6 @@ from typing import Any
 import pandas as pd
 import torch
 
-
 ROOT = Path(__file__).resolve().parent.parent
 VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SIDES = {

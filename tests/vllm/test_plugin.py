@@ -19,6 +19,7 @@ os.environ.setdefault("VLLM_USE_HW_AGNOSTIC", "1")
 import hw_agnostic.integrations.vllm as plugin  # noqa: E402
 from hw_agnostic.integrations.vllm import _compat, counts  # noqa: E402
 from hw_agnostic.integrations.vllm.layers import vllm_fused_add_rms_norm, vllm_rms_norm  # noqa: E402
+from hw_agnostic.ops.registry import COMPILE_ENV  # noqa: E402
 
 
 @pytest.fixture
@@ -32,7 +33,7 @@ def fresh_registries(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(plugin, "_registered", None)
     monkeypatch.delenv(plugin.OVERRIDES_ENV, raising=False)
     monkeypatch.delenv(counts.COUNTS_ENV, raising=False)
-    monkeypatch.setenv("HW_AGNOSTIC_COMPILE_REFERENCE", "0")  # the plain reference: the numerics tests compare it bit for bit
+    monkeypatch.setenv(COMPILE_ENV, "0")  # the plain reference: the numerics tests compare it bit for bit
     yield main_ops.op_registry_oot, hw_ops.op_registry_oot
     for registry, before in zip((main_ops.op_registry_oot, hw_ops.op_registry_oot), saved):
         registry.clear()

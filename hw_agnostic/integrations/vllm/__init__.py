@@ -23,8 +23,8 @@ override           vLLM class replaced                           library ops
 ``-moe,-attention`` leaves those to vLLM, ``+attention`` turns on one that is off by default.
 All are on by default except, on the CPU, ``attention`` and ``moe``: the library has no CPU
 kernels for them, and their plain-PyTorch references (loops over sequences and over experts) ran
-generation at a fraction of the speed of vLLM's C++ CPU kernels (``bench/results/cpu/vllm/vllm.md``). Each override runs vLLM's own code for the calls or
-layers the ops do not cover (see its module).
+generation at a fraction of the speed of vLLM's C++ CPU kernels (``bench/results/cpu/vllm/vllm.md``).
+Each override runs vLLM's own code for the calls or layers the ops do not cover (see its module).
 An override whose vLLM names are missing in the installed vLLM is skipped, with one warning
 naming them and the versions this plugin supports. Diagnostics go to the ``vllm.hw_agnostic``
 logger, which vLLM's log configuration shows.
