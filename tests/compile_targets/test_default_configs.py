@@ -17,11 +17,7 @@ from hw_agnostic.kernels import targets
 TOKENS = (1, 4096)
 #: Problems known and reported (bench/results/compile/report.md), each with why it stays for now.
 #: A known problem that no longer occurs fails the test too, so the entry goes once it is fixed.
-KNOWN = {
-    ("paged_attention", "sm_80", "spills"):
-        "Ampere: the bf16 prefill default (64x64 tiles, 8 warps) spills ~230 bytes at 255 registers since the "
-        "kernel keeps NaN/inf bookkeeping in its hot loop; no compile-chosen sm_80 defaults yet",
-}
+KNOWN: dict[tuple[str, str, str], str] = {}
 
 
 @pytest.mark.parametrize("op_name", tunable_ops())
