@@ -56,7 +56,7 @@ from ..autotune.platform import compile_target, platform_of
 from ..kernels import targets
 from ..kernels.interpret import interpreter_mode
 from ..kernels.runtime import KernelSpec
-from . import checks
+from . import call_signature, checks
 from .compiled_reference import CompiledReference
 
 log = logging.getLogger("hw_agnostic.ops")
@@ -202,6 +202,8 @@ class Op:
         # Differentiable ops get a backward: the reference's, recomputed (kernels forward, autograd back).
         self.differentiable = differentiable
         names = list(inspect.signature(reference).parameters)
+        self._signature = call_signature.signature_function(reference)
+        self._any_requires_grad = call_signature.requires_grad_function(reference)
         self._mutated_positions = tuple(names.index(name) for name in self.mutates_args)
         self.providers: tuple[Provider, ...] = (*providers, _reference_provider(self))
         self._plans: dict[Any, Plan] = {}
@@ -267,7 +269,7 @@ class Op:
             torch.compiler.is_compiling()
             or is_fx_symbolic_tracing()
             or isinstance(args[0], FakeTensor)
-            or (torch.is_grad_enabled() and _requires_grad(args))
+            or (torch.is_grad_enabled() and self._requires_grad(args))
         ):
             # Traced graphs (dynamo, fx, make_fx) see the custom op; autograd sees its backward
             # (differentiable ops) or an op without a derivative, which raises on backward.
@@ -282,6 +284,12 @@ class Op:
             return self.torch_op(*args)
         return self.dispatch(*args)
 
+    def _requires_grad(self, args: tuple[Any, ...]) -> bool:
+        try:
+            return self._any_requires_grad(*args)
+        except (TypeError, AttributeError):  # arguments that do not fit the reference's: check names them
+            return _requires_grad(args)
+
     def dispatch(self, *args: Any) -> Any:
         """Run the call on the chosen provider (eager, no custom-op dispatcher in between).
 
@@ -290,15 +298,14 @@ class Op:
         a repeated call costs one lookup of that signature instead of both.
         """
         try:
-            # What check and key read (the metadata, never the data), inline: every eager call pays it.
-            # 1, 1.0 and True are equal, but not the same argument: scalars carry their type.
-            parts = [(a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
-                     for a in args]
+            # What check and key read (the metadata, never the data): every eager call pays it
+            # (see .call_signature).
+            signature = self._signature(*args)
             if self.mutates_args:  # the in-place checks compare where the tensors lie
-                parts.append(_placement(args))
-            signature = tuple(parts)
+                signature = (signature, _placement(args))
             plan = self._checked.get(signature)
-        except (TypeError, RuntimeError, NotImplementedError):  # unhashable, or a tensor without storage: no shortcut
+        except (TypeError, AttributeError, RuntimeError, NotImplementedError):
+            # unfit arguments (check names them), unhashable ones, a tensor without storage: no shortcut
             signature, plan = None, None
         if plan is None:
             self.check(*args)
