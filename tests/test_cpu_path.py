@@ -175,9 +175,12 @@ def test_layer_norms_of_nn_layer_norm_numerics_run_its_aten_kernel():
     per_head = layer_norm.layer_norm_op.plan(torch.randn(3, 2, 64), torch.randn(2, 64), None, 1e-5, "fp32")
     chameleon = layer_norm.layer_norm_op.plan(x, weight, bias, 1e-5, "cast_then_affine")
     fp32_x_bf16_weight = layer_norm.layer_norm_op.plan(x.float(), weight.bfloat16(), None, 1e-5, "fp32")
-    many_rows = layer_norm.layer_norm_op.plan(torch.randn(300, 64), weight, bias, 1e-5, "fp32")
+    many_rows = layer_norm.layer_norm_op.plan(torch.randn(300, 64, dtype=torch.bfloat16), weight, bias, 1e-5, "fp32")
     for plan in (per_head, chameleon, fp32_x_bf16_weight, many_rows):
         assert isinstance(plan.run, compiled_reference.CompiledReference), plan.describe()
+    # fp32 rows: ATen's kernel at every size (faster than Inductor's there)
+    many_fp32_rows = layer_norm.layer_norm_op.plan(torch.randn(300, 64), weight, bias, 1e-5, "fp32")
+    assert many_fp32_rows.run.__qualname__.endswith("native.<locals>.norm"), many_fp32_rows.describe()
 
 
 ROTARY_CASES = [

@@ -47,10 +47,13 @@ _CONSTANT = _Constant()
 class CompiledReference:
     """The reference under torch.compile, or the lean path (see the module docstring); eager on failure."""
 
-    def __init__(self, op_name: str, reference: Callable[..., Any], *, lean: bool = False) -> None:
+    def __init__(self, op_name: str, reference: Callable[..., Any], *,
+                 lean: bool | Callable[[tuple[Any, ...]], bool] = False) -> None:
         self.op_name = op_name
         self.reference = reference
+        # A rule over the call's arguments where only some specialisations may take the lean path.
         self.use_lean = lean
+        self._lean_for: dict[tuple[Any, ...], bool] = {}
         self.lean: dict[tuple[Any, ...], _LeanGraph | None] = {}
         self._dynamo: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self.failed = False
@@ -74,7 +77,7 @@ class CompiledReference:
                     return self.reference(*args)
                 if elements is None:
                     elements = arg.numel()
-        if contiguous and self.use_lean:
+        if contiguous and self._takes_lean(signature, args):
             small = elements is not None and elements <= SINGLE_THREAD_ELEMENTS
             graph = self.lean.get((small, signature), _MISSING)
             if graph is _MISSING:
@@ -85,6 +88,14 @@ class CompiledReference:
                 except AssertionError:  # a layout the graph was not traced for (Inductor checks strides)
                     pass
         return self._compiled(signature, args)
+
+    def _takes_lean(self, signature: tuple[Any, ...], args: tuple[Any, ...]) -> bool:
+        if isinstance(self.use_lean, bool):
+            return self.use_lean
+        lean = self._lean_for.get(signature)
+        if lean is None:
+            lean = self._lean_for[signature] = bool(self.use_lean(args))
+        return lean
 
     def _compile_lean(self, args: tuple[Any, ...], threads: int | None) -> _LeanGraph | None:
         try:

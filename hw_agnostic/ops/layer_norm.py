@@ -42,6 +42,7 @@ from ..autotune.keys import token_bucket
 from ..kernels import layer_norm as kernels
 from ..kernels.runtime import helion_available
 from . import checks
+from .compiled_reference import CompiledReference
 from .registry import Op, Provider, compile_reference_enabled
 from .rms_norm import MAX_KERNEL_HIDDEN, CompiledAddThenNormalise, check_inplace_buffers
 
@@ -224,9 +225,11 @@ def _key(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], numerics: 
 # decode-size calls: one ATen call, as in the module it replaces.
 
 _HALVES = (torch.bfloat16, torch.float16)
-#: Row counts (bucketed) up to which the native path runs. Beyond them the compiled reference is
-#: faster (measured on the CPU: at 256 x 4096 bf16 1.2-1.3x HF eager against 1.0x, and the in-place
-#: form writes x in the pass that normalises instead of copying F.layer_norm's result over it).
+#: Row counts (bucketed) up to which the native path runs on 16-bit rows. Beyond them the compiled
+#: reference is faster (measured on the CPU: at 256 x 4096 bf16 1.2-1.3x HF eager against 1.0x, and
+#: the in-place form writes x in the pass that normalises instead of copying F.layer_norm's result
+#: over it). On fp32 rows ATen's kernel is the faster at every size (256 x 4096: 175 us against
+#: Inductor's 228), so the out-of-place forms stay native there.
 NATIVE_MAX_ROWS = 128
 
 
@@ -242,7 +245,8 @@ def _native(form: str) -> object:
     to the key (the normalised shape, Nemotron's ``1 + w``), or None where the spec is not F.layer_norm's."""
 
     def native(key: LayerNormKey) -> object:
-        if (key.tokens > NATIVE_MAX_ROWS and compile_reference_enabled() or key.numerics == "cast_then_affine"
+        large = key.tokens > NATIVE_MAX_ROWS and compile_reference_enabled()
+        if (large and (key.dtype in _HALVES or form == "add_inplace") or key.numerics == "cast_then_affine"
                 or not key.flat_parameters or not _native_dtypes(key)):
             return None
         shape, one_plus = (key.hidden,), key.numerics == "one_plus" and key.weight_dtype is not None
@@ -264,6 +268,20 @@ def _native(form: str) -> object:
         return {"norm": norm, "add": add, "add_inplace": add_inplace}[form]
 
     return native
+
+
+# --------------------------------------------------------------------------------------------
+# the compiled reference: the lean path (no Dynamo guards per call, see .compiled_reference) for
+# every numerics but Chameleon's, whose bf16 product and sum the lean trace leaves unrounded (a
+# quarter of the elements one step off; tests/test_compiled_reference.py): torch.compile there.
+
+
+def _lean_numerics(args: tuple) -> bool:
+    return args[-1] != "cast_then_affine"
+
+
+def _compiled_reference(name: str, reference: object) -> CompiledReference:
+    return CompiledReference(name, reference, lean=_lean_numerics)
 
 
 # --------------------------------------------------------------------------------------------
@@ -403,6 +421,7 @@ layer_norm_op = Op(
     "layer_norm", layer_norm_reference, check=check_layer_norm, key=layer_norm_key,
     providers=[_helion(_build_layer_norm, kernels.LAYER_NORM, _layer_norm_tuning_key)],
     example_inputs=_example_layer_norm, native=_native("norm"), differentiable=True, fusable=True,
+    compiled_reference=_compiled_reference,
 )
 fused_add_layer_norm_op = Op(
     "fused_add_layer_norm", fused_add_layer_norm_reference, check=check_fused_add_layer_norm,
@@ -410,6 +429,7 @@ fused_add_layer_norm_op = Op(
     providers=[_helion(lambda k, c, a: _build_fused(k, c, a, inplace=False), kernels.FUSED_ADD_LAYER_NORM,
                        _fused_tuning_key)],
     example_inputs=_example_fused, native=_native("add"), differentiable=True, fusable=True,
+    compiled_reference=_compiled_reference,
 )
 fused_add_layer_norm_inplace_op = Op(
     "fused_add_layer_norm_", fused_add_layer_norm_inplace_reference, check=check_fused_add_layer_norm_inplace,
@@ -417,7 +437,7 @@ fused_add_layer_norm_inplace_op = Op(
     providers=[_helion(lambda k, c, a: _build_fused(k, c, a, inplace=True), kernels.FUSED_ADD_LAYER_NORM,
                        _fused_tuning_key)],
     mutates_args=("x", "residual"), example_inputs=_example_fused,
-    compiled_reference=lambda name, reference: CompiledAddThenNormalise(name, _normalise_into),
+    compiled_reference=lambda name, reference: CompiledAddThenNormalise(name, _normalise_into, lean=_lean_numerics),
     native=_native("add_inplace"),
 )
 
