@@ -53,7 +53,6 @@ class CompiledReference:
         self.reference = reference
         # A rule over the call's arguments where only some specialisations may take the lean path.
         self.use_lean = lean
-        self._lean_for: dict[tuple[Any, ...], bool] = {}
         self.lean: dict[tuple[Any, ...], _LeanGraph | None] = {}
         self._dynamo: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self.failed = False
@@ -77,7 +76,7 @@ class CompiledReference:
                     return self.reference(*args)
                 if elements is None:
                     elements = arg.numel()
-        if contiguous and self._takes_lean(signature, args):
+        if contiguous and self._takes_lean(args):
             small = elements is not None and elements <= SINGLE_THREAD_ELEMENTS
             graph = self.lean.get((small, signature), _MISSING)
             if graph is _MISSING:
@@ -89,13 +88,8 @@ class CompiledReference:
                     pass
         return self._compiled(signature, args)
 
-    def _takes_lean(self, signature: tuple[Any, ...], args: tuple[Any, ...]) -> bool:
-        if isinstance(self.use_lean, bool):
-            return self.use_lean
-        lean = self._lean_for.get(signature)
-        if lean is None:
-            lean = self._lean_for[signature] = bool(self.use_lean(args))
-        return lean
+    def _takes_lean(self, args: tuple[Any, ...]) -> bool:
+        return self.use_lean if isinstance(self.use_lean, bool) else bool(self.use_lean(args))
 
     def _compile_lean(self, args: tuple[Any, ...], threads: int | None) -> _LeanGraph | None:
         try:
