@@ -150,6 +150,14 @@ def _router_for(namespace: dict[str, Any], name: str) -> Callable[..., Any]:
     return router
 
 
+def _is_rotary_function(value: Any) -> bool:
+    """A plain function, or the module that the ``kernels`` package (a dependency of transformers
+    since 5.25) makes of a function decorated ``use_kernel_forward_from_hub``: called like the
+    function, it runs the function unless a hub kernel was mapped onto it (the probe compares
+    whichever runs)."""
+    return isinstance(value, types.FunctionType) or (isinstance(value, nn.Module) and hasattr(value, "kernel_layer_name"))
+
+
 def _global_names(code: types.CodeType) -> set[str]:
     names = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"}
     for const in code.co_consts:  # comprehensions and nested functions share the globals
@@ -202,7 +210,7 @@ def routed_forward(forward: Callable[..., Any]) -> tuple[Optional[Callable[..., 
         return None, f"its forward is a {type(inner).__name__}, not a Python function"
     namespace = inner.__globals__
     names = sorted(n for n in _global_names(inner.__code__)
-                   if n.startswith(ROTARY_PREFIX) and isinstance(namespace.get(n), types.FunctionType))
+                   if n.startswith(ROTARY_PREFIX) and _is_rotary_function(namespace.get(n)))
     if not names:
         return None, f"its forward calls no {ROTARY_PREFIX}* function of its module"
     if _imports_or_names(inner.__code__):
