@@ -2,22 +2,25 @@
 
 ``make gpu-campaign`` on a fresh GPU machine (no network; the wheels it lacks travel in
 ``.whl/``, see ``make gpu-wheels``) runs, each phase in its own process under its own time
-budget, all inside ``--budget`` seconds (9 minutes by default):
+budget, all inside ``--budget`` seconds (a little over 9 minutes by default):
 
 1. ``install``: the carried wheels into a private target directory (helion, liger-kernel,
-   filecheck, transformers), then an import check of hw_agnostic, helion and liger_kernel;
+   filecheck, transformers), then an import check of hw_agnostic, helion and liger_kernel, and
+   ``hw-agnostic doctor``;
 2. ``tests``: the GPU test tier (``tests/test_gpu.py`` and every op's DSL harness on the GPU);
 3. ``compile-check``: what compile-for-target mode predicts for this GPU's target (registers,
    spills, shared memory, matrix instruction) next to what the JIT really built, per kernel;
 4. ``autotune``: the headline shapes of each op (Llama-3-8B, Qwen3-30B-A3B) within a time budget,
    saved after every key, written as the tuned-config files to ship;
-5. ``bench``: ``python -m bench`` with those configs against HF eager, ``torch.compile`` and
-   Liger, copy bandwidth measured in the same run, with plots;
+5. ``bench``: ``python -m bench --quick`` with those configs against HF eager, ``torch.compile``
+   and Liger, copy bandwidth measured in the same run, with plots: one suite at a time under its
+   own budget (attention, MoE, the model step, then the ops at their headline widths);
 6. ``pack``: everything into ``$OUT`` (at most 8 files): ``summary.md``, the bench CSV and
    markdown, ``tuned_configs.tar.gz`` (``<platform>/<kernel>.json``, to commit under
    ``hw_agnostic/autotune_cache/``), and ``campaign.tar.gz`` with every log, plot and file.
 
-A phase that fails or runs out of time is recorded and the next one runs. ``--dry-run`` runs
+A phase that fails or runs out of time is recorded and the next one runs; one out of time is
+interrupted first (SIGINT), so pytest reports what failed so far and the bench writes its report. ``--dry-run`` runs
 the same phases on a CPU (the Triton interpreter, a tiny subset, seconds of budget), which is
 how CI knows the script works before a GPU ever runs it.
 """
@@ -29,6 +32,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -96,12 +100,19 @@ class Campaign:
         self.say(f"{phase.name}: {' '.join(command)} (budget {budget:.0f} s)")
         start = time.monotonic()
         with open(self.work / log_name, "w") as log:
+            process = subprocess.Popen(command, cwd=REPO, env=env or self.env, stdout=log, stderr=subprocess.STDOUT)
             try:
-                done = subprocess.run(command, cwd=REPO, env=env or self.env, stdout=log, stderr=subprocess.STDOUT,
-                                      timeout=budget)
-                code: int | None = done.returncode
+                code: int | None = process.wait(timeout=budget)
             except subprocess.TimeoutExpired:
                 code = None
+                # Interrupted, pytest prints what failed so far and the bench writes its report of
+                # the rows it measured; killed only if it does not stop within the grace period.
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(timeout=self.GRACE_S)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
         phase.seconds = time.monotonic() - start
         tail = _tail(self.work / log_name)
         if code is None:
@@ -113,9 +124,12 @@ class Campaign:
         self.say(f"{phase.name}: {phase.status} in {phase.seconds:.0f} s; {tail.splitlines()[-1] if tail else ''}")
         return code == 0
 
+    #: seconds an interrupted phase has to write what it has before it is killed
+    GRACE_S = 15.0
+
     def reserve(self) -> float:
-        """Seconds kept back for packing the results."""
-        return 5.0 if self.dry_run else 20.0
+        """Seconds kept back for packing the results (and an interrupted phase's grace)."""
+        return 5.0 if self.dry_run else 20.0 + self.GRACE_S
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -161,6 +175,8 @@ def install(c: Campaign) -> None:
              "found['device'] = torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'\n"
              "print(json.dumps(found))\n")
     c.run(Phase("versions", 60), [sys.executable, "-c", check], log_name="versions.log")
+    # what a bug report needs: which provider runs each op here and why, the config directories
+    c.run(Phase("doctor", 60), [sys.executable, "-m", "hw_agnostic", "doctor"], log_name="doctor.log")
 
 
 def tests(c: Campaign) -> None:
@@ -172,16 +188,17 @@ def tests(c: Campaign) -> None:
                    "test_rms_norm_dsl and 7x37-float32-llama", f"--junitxml={report}", "tests/ops/test_rms_norm.py"]
         c.run(Phase("tests", 120), command, env=env, log_name="tests.log")
         return
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "8", "-m", "gpu or dsl",
-               f"--junitxml={report}", "tests/test_gpu.py", "tests/ops"]
-    c.run(Phase("tests", 150), command, log_name="tests.log")
+    # -v: a line per test as it ends, so a run cut short still says what passed and failed
+    command = [sys.executable, "-m", "pytest", "-v", "--tb=short", "-rfE", "-p", "no:cacheprovider", "-n", "8",
+               "-m", "gpu or dsl", f"--junitxml={report}", "tests/test_gpu.py", "tests/ops"]
+    c.run(Phase("tests", 130), command, log_name="tests.log")
 
 
 def compile_check(c: Campaign) -> None:
     script = c.work / "compile_check.py"
     script.write_text(_COMPILE_CHECK)
     command = [sys.executable, str(script), "dry" if c.dry_run else "gpu", str(c.work / "compile_check.json")]
-    c.run(Phase("compile-check", 60), command, log_name="compile_check.log")
+    c.run(Phase("compile-check", 40), command, log_name="compile_check.log")
 
 
 _COMPILE_CHECK = r'''
@@ -250,8 +267,9 @@ for row in rows:
 def autotune(c: Campaign) -> None:
     """The headline shapes of each op, within a budget split evenly between the ops."""
     headline = DRY_HEADLINE if c.dry_run else HEADLINE
-    budget = 90 if c.dry_run else 150
-    per_op = max(3.0, (min(budget, c.remaining() - c.reserve() - (60 if not c.dry_run else 5)) - 15) / len(headline))
+    budget = 90 if c.dry_run else 120
+    bench_s = 5 if c.dry_run else sum(seconds for _, seconds, _ in GPU_BENCH)  # kept for the bench after it
+    per_op = max(3.0, (min(budget, c.remaining() - c.reserve() - bench_s) - 15) / len(headline))
     device = "cpu" if c.dry_run else "cuda"
     script = (
         "import json, sys, torch\n"
@@ -282,8 +300,23 @@ def bench(c: Campaign) -> None:
                    "--out", str(c.work / "bench")]
         c.run(Phase("bench", 150), command, log_name="bench.log")
         return
-    command = [sys.executable, "-m", "bench", "--device", "auto", "--quick", "--out", str(c.work / "bench")]
-    c.run(Phase("bench", 240), command, log_name="bench.log")
+    # One suite at a time, each under its own budget, so a slow one (torch.compile baselines) cannot
+    # starve the others; they merge into one results folder.
+    for suite, budget, only in GPU_BENCH:
+        command = [sys.executable, "-m", "bench", "--device", "auto", "--quick", "--suites", suite,
+                   "--out", str(c.work / "bench"), "--merge", *(["--only", only] if only else [])]
+        c.run(Phase(f"bench-{suite}", budget), command, log_name=f"bench_{suite}.log")
+
+
+#: (suite, seconds, --only) of the GPU bench, in the order they run: attention, experts and a
+#: model step first (where the decode step's time goes), then each op at its headline width
+GPU_BENCH = (
+    ("attention", 40, None),
+    ("moe", 40, None),
+    ("model", 50, None),
+    ("ops", 90, r"^((fused_add_)?rms_norm_?|(fused_add_)?layer_norm_?) \d+x4096 |^(silu|gelu)_and_mul \d+x14336 "
+                 r"|^swiglu_oai \d+x2880 |^gated_rms_norm \d+x(128|8192) |^rotary_embedding \d+x128 "),
+)
 
 
 def pack(c: Campaign) -> None:
@@ -328,12 +361,12 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or REPO / "campaign-out"),
                         help="where the results go (default: $OUT, else ./campaign-out)")
-    parser.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 540; dry 300)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 565; dry 300)")
     parser.add_argument("--dry-run", action="store_true", help="the same phases on a CPU, tiny and interpreted")
     parser.add_argument("--phases", default="install,tests,compile-check,autotune,bench",
                         help="comma-separated subset of the phases to run (pack always runs)")
     args = parser.parse_args(argv)
-    budget = args.budget if args.budget is not None else (300.0 if args.dry_run else 540.0)
+    budget = args.budget if args.budget is not None else (300.0 if args.dry_run else 565.0)
     phases = {"install": install, "tests": tests, "compile-check": compile_check, "autotune": autotune,
               "bench": bench}
     wanted = [p.strip() for p in args.phases.split(",") if p.strip()]

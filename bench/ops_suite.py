@@ -20,7 +20,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
-from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+from transformers.models.mamba2 import modeling_mamba2
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
 
 from hw_agnostic import ops
@@ -28,6 +28,9 @@ from hw_agnostic.autotune.shapes import TOKEN_COUNTS, widths
 from hw_agnostic.ops.rotary_embedding import rope_tables
 
 from .timing import measure_all
+
+# transformers 5.25 renamed it
+MambaRMSNormGated = getattr(modeling_mamba2, "Mamba2RMSNormGated", None) or modeling_mamba2.MambaRMSNormGated
 
 
 class HFAddRMSNorm(nn.Module):

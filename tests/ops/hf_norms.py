@@ -27,7 +27,9 @@ class HFNorm:
     """One HF module class: how to build it, and what it is in terms of our op."""
 
     id: str
-    path: str  # "module:Class", the module relative to transformers.models ("torch.nn:LayerNorm" for torch's)
+    # "module:Class", the module relative to transformers.models ("torch.nn:LayerNorm" for torch's);
+    # "module:New|Old" where transformers renamed the class (the first the installed version has)
+    path: str
     build: Callable[[type, int], nn.Module]
     ours: Callable[[nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor]
     gated: bool = False
@@ -46,7 +48,7 @@ class HFNorm:
             module = importlib.import_module(module_name)
         except ImportError:
             pytest.skip(f"the installed transformers has no {module_name}")
-        found = getattr(module, class_name, None)
+        found = next((getattr(module, name) for name in class_name.split("|") if hasattr(module, name)), None)
         if found is None:
             pytest.skip(f"{module_name} has no {class_name}")
         return found
@@ -127,7 +129,7 @@ _KIMI = _gated("norm_then_gate", "fp32_scale")
 GATED_NORMS = [
     HFNorm(name, path, lambda cls, h: cls(h, group_size=h // 3, eps=1e-5), _MAMBA, gated=True)
     for name, path in (
-        ("MambaRMSNormGated", "mamba2:MambaRMSNormGated"),
+        ("MambaRMSNormGated", "mamba2:Mamba2RMSNormGated|MambaRMSNormGated"),  # renamed in 5.25
         ("BambaRMSNormGated", "bamba:BambaRMSNormGated"),
         ("NemotronHRMSNormGated", "nemotron_h:NemotronHRMSNormGated"),
         ("Zamba2RMSNormGated", "zamba2:Zamba2RMSNormGated"),
