@@ -165,8 +165,7 @@ def _config_section() -> dict[str, Any]:
                 except cache.CacheFileError as err:
                     files[f"{platform}/{path.name}"] = f"ignored: {err}"
                     continue
-                default = ", with a default" if parsed.default is not None else ""
-                files[f"{platform}/{path.name}"] = f"{len(parsed.entries)} tuned keys{default}"
+                files[f"{platform}/{path.name}"] = f"{len(parsed.entries)} tuned keys"
         section[label] = {"root": str(root), "exists": root.is_dir(), "files": files}
     return section
 

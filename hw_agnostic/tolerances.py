@@ -47,12 +47,15 @@ def least_precise(*dtypes: torch.dtype) -> torch.dtype:
 
 
 def mismatch(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, *,
-             two_sided: bool = False) -> str | None:
+             two_sided: bool = False, conditioning: float = 1.0) -> str | None:
     """None when ``actual`` matches the float64 ``expected`` within the table, else a report.
 
     ``two_sided``: ``expected`` is itself a ``dtype`` computation (another implementation's
     result held in float64), not a float64 evaluation; each of the two may lie the table's width
     from the exact result, on opposite sides, so twice the table is allowed.
+    ``conditioning``: how much the inputs amplify a correct computation's rounding beyond what
+    the table assumes (the caller says why, e.g. rows whose mean lies far outside their spread);
+    it multiplies the absolute term.
     """
     dtype = actual.dtype if dtype is None else dtype
     if actual.shape != expected.shape:
@@ -62,6 +65,8 @@ def mismatch(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | 
     tol = tolerance(dtype)
     if two_sided:
         tol = Tolerance(rtol=2 * tol.rtol, atol=2 * tol.atol)
+    if conditioning != 1.0:
+        tol = Tolerance(rtol=tol.rtol, atol=conditioning * tol.atol)
     got = actual.detach().to(device="cpu", dtype=torch.float64)
     want = expected.detach().to(device="cpu", dtype=torch.float64)
     nan_mismatch = torch.isnan(got) != torch.isnan(want)

@@ -52,6 +52,9 @@ def test_keys_are_canonical_and_nearest_matches_static_fields():
     tie = make_key({"hidden": 4096, "dtype": "bfloat16"}, 512)  # 64 and 4096 both 3 doublings away
     assert nearest_key(tie, stored)["tokens"] == 4096
     assert nearest_key(make_key({"hidden": 1, "dtype": "x"}, 1), stored) is None
+    # a bucket more than NEAREST_OCTAVES away stands in for nothing: 1 token is not 16K tokens
+    assert nearest_key(make_key({"hidden": 4096, "dtype": "bfloat16"}, 4), stored)["tokens"] == 1
+    assert nearest_key(make_key({"hidden": 4096, "dtype": "bfloat16"}, 65536), stored) is None
     with pytest.raises(TypeError, match="key field 'hidden' must be int, str or bool"):
         make_key({"hidden": 1.5}, 1)
 
@@ -83,7 +86,9 @@ def _write(root, document, platform="nvidia_h100"):
 
 def _document(**changes):
     document = {"schema_version": cache.SCHEMA_VERSION, "kernel": KERNEL.name, "platform": "nvidia_h100",
-                "source_hash": KERNEL.source_hash, "default": {"config": {"block": 32, "origin": "file-default"}},
+                "source_hash": KERNEL.source_hash,
+                # an earlier version's per-file default: ignored (see the cache module's docstring)
+                "default": {"config": {"block": 32, "origin": "file-default"}},
                 "entries": [{"key": KEY, "config": {"block": 8, "origin": "entry"}, "time_us": 3.0}]}
     document.update(changes)
     return document
@@ -112,13 +117,24 @@ def test_user_directory_overrides_the_shipped_one(roots):
     assert cache.lookup(KERNEL, "nvidia_h100", KEY).config["origin"] == "user"
 
 
-def test_nearest_bucket_then_file_default(roots):
+def test_nearest_bucket_then_target_default_then_builtin(roots, monkeypatch):
+    """A key without an entry takes a tuned bucket only within NEAREST_OCTAVES of its own, then the
+    compile target's chosen default, then the built-in one; never a file-wide default config."""
     _, shipped = roots
     _write(shipped, _document())
-    near = cache.lookup(KERNEL, "nvidia_h100", make_key({"hidden": 128, "dtype": "float16"}, 1000))
+    near = cache.lookup(KERNEL, "nvidia_h100", make_key({"hidden": 128, "dtype": "float16"}, 100))
     assert (near.match, near.config["origin"]) == ("nearest", "entry")
-    other = cache.lookup(KERNEL, "nvidia_h100", make_key({"hidden": 256, "dtype": "float16"}, 16))
-    assert (other.match, other.config["origin"]) == ("file-default", "file-default")
+    for far in (make_key({"hidden": 128, "dtype": "float16"}, 4096), make_key({"hidden": 256, "dtype": "float16"}, 16)):
+        choice = cache.lookup(KERNEL, "nvidia_h100", far)
+        assert (choice.source, choice.match, choice.config["origin"]) == ("default", "builtin", "builtin")
+    target_file = shipped / "sm_90" / f"{KERNEL.name}.json"
+    target_file.parent.mkdir(parents=True, exist_ok=True)
+    far = make_key({"hidden": 128, "dtype": "float16"}, 4096)
+    target_file.write_text(json.dumps({**_document(platform="sm_90"),
+                                       "entries": [{"key": far, "config": {"block": 16, "origin": "target"}}]}))
+    cache.invalidate()
+    choice = cache.lookup(KERNEL, "nvidia_h100", far, target="sm_90")
+    assert (choice.source, choice.match, choice.config["origin"]) == ("target", "exact", "target")
 
 
 @pytest.mark.parametrize("document, reason", [

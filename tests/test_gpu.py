@@ -58,7 +58,8 @@ def test_tuning_on_the_gpu_feeds_the_runtime(tmp_path, monkeypatch):
     monkeypatch.setenv(cache.USER_ROOT_ENV, str(tmp_path))
     op = ops.get_op("rms_norm")
     results = tune(op, [(128, 4096)], dtype=torch.bfloat16, device="cuda", budget_s=20, progress=False)
-    assert results[0].status == "tuned" and results[0].time_us > 0
+    # within 20 s an H200 tunes part of the search space (seen 2026-12-04): either writes the entry
+    assert results[0].status in ("tuned", "partial") and results[0].time_us > 0
     x, weight, eps, numerics = op.example_inputs(128, 4096, torch.bfloat16, "cuda")
     assert op.plan(x, weight, eps, numerics).config.config == results[0].config
 

@@ -61,7 +61,7 @@ def test_wrong_candidates_are_rejected_before_timing(tmp_path):
     assert timed == [{"block": 2}, {"block": 2}]
     document = json.loads((tmp_path / "cpu" / "test_scale.json").read_text())
     assert [e["key"]["tokens"] for e in document["entries"]] == [4, 512]
-    assert document["default"] == {"config": {"block": 2}}
+    assert "default" not in document  # no file-wide config: untuned keys take the key-aware defaults
 
 
 def test_tuning_resumes_and_keeps_existing_keys(tmp_path):

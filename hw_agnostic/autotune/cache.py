@@ -6,7 +6,6 @@ Layout: ``<root>/<platform>/<kernel>.json`` with
 
     {"schema_version": 1, "kernel": "rms_norm", "platform": "nvidia_h100",
      "source_hash": "<sha256 of the kernel's source>",
-     "default": {"config": {...}},
      "entries": [{"key": {"hidden": 4096, "dtype": "bfloat16", "tokens": 16},
                   "config": {...}, "time_us": 5.1}],
      "tuned_with": {"torch": "...", "triton": "...", "device_name": "..."}}
@@ -14,9 +13,13 @@ Layout: ``<root>/<platform>/<kernel>.json`` with
 Two roots are searched, the user's first: ``$HW_AGNOSTIC_CACHE_DIR`` (default
 ``~/.cache/hw_agnostic/autotune_cache``), then the directory shipped in the package. For a key
 the lookup takes, in order: an exact entry, the nearest token bucket with the same static
-fields (see :mod:`.keys`), the file's default entry; where the platform has no tuned file, the
-compile-chosen defaults of the device's compile target (``<root>/sm_90/<kernel>.json``, see
-:mod:`.target_defaults`: exact, then nearest bucket); and finally the kernel's built-in default.
+fields (within a few buckets, see :mod:`.keys`); the compile-chosen defaults of the device's
+compile target (``<root>/sm_90/<kernel>.json``, see :mod:`.target_defaults`: exact, then nearest
+bucket); and finally the kernel's built-in default, which depends on the key.
+
+There is no per-file default config: files of an earlier version carry a ``default`` entry (the
+config that won the most keys), which is ignored. On an H200 it sent prefill attention through a
+decode key's 16x16 tiles with 32 KV splits, 60x slower than the built-in default.
 
 A missing, unreadable, corrupt, stale (the kernel's source changed since tuning) or foreign
 (another kernel's or platform's) file is skipped with one warning; a lookup never raises.
@@ -44,7 +47,7 @@ SHIPPED_ROOT = Path(__file__).resolve().parent.parent / "autotune_cache"
 USER_ROOT_ENV = "HW_AGNOSTIC_CACHE_DIR"
 
 Source = Literal["user", "shipped", "target", "default"]
-Match = Literal["exact", "nearest", "file-default", "builtin"]
+Match = Literal["exact", "nearest", "builtin"]
 
 
 class TunableKernel(Protocol):
@@ -96,7 +99,6 @@ class CacheFileError(Exception):
 @dataclasses.dataclass(frozen=True)
 class _ParsedFile:
     entries: dict[str, tuple[dict[str, KeyValue], dict[str, Any]]]
-    default: dict[str, Any] | None
 
 
 _parsed: dict[Path, tuple[tuple[int, int], _ParsedFile]] = {}
@@ -163,11 +165,8 @@ def _parse(data: dict[str, Any], kernel: TunableKernel, platform: str) -> _Parse
     if data.get("source_hash") != kernel.source_hash:
         raise CacheFileError("stale: the kernel's source changed since these configs were tuned")
     raw_entries = data.get("entries", [])
-    default = data.get("default")
-    if not isinstance(raw_entries, list) or (default is not None and not _is_config_holder(default)):
-        raise CacheFileError("corrupt: 'entries' must be a list and 'default' an object with 'config'")
-    if default is not None and (problem := _config_problem(default["config"])):
-        raise CacheFileError(f"corrupt: the default config {problem}")
+    if not isinstance(raw_entries, list):
+        raise CacheFileError("corrupt: 'entries' must be a list")
     entries = {}
     for index, entry in enumerate(raw_entries):
         if not (_is_config_holder(entry) and isinstance(entry.get("key"), dict)):
@@ -176,7 +175,7 @@ def _parse(data: dict[str, Any], kernel: TunableKernel, platform: str) -> _Parse
         if problem:
             raise CacheFileError(f"corrupt: entry {index}'s {problem}")
         entries[key_string(entry["key"])] = (entry["key"], entry["config"])
-    return _ParsedFile(entries=entries, default=default["config"] if default else None)
+    return _ParsedFile(entries=entries)
 
 
 def _short(value: Any) -> str:
@@ -281,10 +280,7 @@ def lookup(
         near = nearest_key(key, (stored for stored, _ in parsed.entries.values()))
         if near is not None:
             return ConfigChoice(dict(parsed.entries[key_string(near)][1]), source, "nearest", key, str(path))
-    for source, path, parsed in files:
-        if parsed.default is not None:
-            return ConfigChoice(dict(parsed.default), source, "file-default", key, str(path))
-    if not files and target is not None:
+    if target is not None:
         chosen = _target_default(kernel, target, key)
         if chosen is not None:
             return chosen
@@ -380,7 +376,7 @@ def _update(
         data["tuned_with"] = dict(tuned_with or (previous if isinstance(previous, dict) else None) or {})
         change(data)
         data["entries"].sort(key=lambda e: key_string(e["key"]))
-        order = ("schema_version", "kernel", "platform", "source_hash", "default", "entries", "tuned_with")
+        order = ("schema_version", "kernel", "platform", "source_hash", "entries", "tuned_with")  # an old "default" goes
         document = {name: data[name] for name in order if name in data}
         _atomic_write(path, json.dumps(document, indent=1) + "\n")
     invalidate()
@@ -406,17 +402,6 @@ def save_entry(
         data["entries"] = [e for e in data["entries"] if key_string(e["key"]) != key_string(key)] + [entry]
 
     return _update(kernel, platform, root, tuned_with, change)
-
-
-def set_default(
-    kernel: TunableKernel, platform: str, config: Mapping[str, Any], *, root: Path | None = None
-) -> Path:
-    """Set the file's default entry: the config used for keys with no entry of their own."""
-
-    def change(data: dict[str, Any]) -> None:
-        data["default"] = {"config": dict(config)}
-
-    return _update(kernel, platform, root, None, change)
 
 
 def save_entries(

@@ -120,7 +120,6 @@ def tune(
     except ImportError:
         pass
     results: list[KeyResult] = []
-    winners: Counter[str] = Counter()
     kernel = None
     shapes = list(shapes)
     bar = _progress(len(shapes), f"tune {op.name} {str(dtype).removeprefix('torch.')}", progress)
@@ -179,7 +178,6 @@ def tune(
                         len(rejected))
             continue
         path = cache.save_entry(kernel, platform, key, best[1], time_us=best[0], root=root, tuned_with=tuned_with)
-        winners[key_string(best[1])] += 1
         status = "partial" if ran_out else "tuned"
         results.append(KeyResult(key, best[1], best[0], tried, rejected, status, total, path))
         log.info("%s %s: %s %.1f µs (%s, %d rejected)", op.name, key_string(key), key_string(best[1]), best[0], of,
@@ -187,8 +185,6 @@ def tune(
         if time.monotonic() > deadline:
             log.warning("%s: time budget spent after %s; the keys left keep their defaults", op.name, key_string(key))
     bar.close()
-    if winners and kernel is not None:
-        _set_default(kernel, platform, winners, root)
     return results
 
 
@@ -206,13 +202,6 @@ def _already_tuned(kernel: Any, platform: str, key: Mapping[str, Any], root: Pat
     except cache.CacheFileError:
         return False
     return key_string(key) in parsed.entries
-
-
-def _set_default(kernel: Any, platform: str, winners: Counter[str], root: Path | None) -> None:
-    """The file's default entry: the config that won the most keys."""
-    import json
-
-    cache.set_default(kernel, platform, json.loads(winners.most_common(1)[0][0]), root=root)
 
 
 class _NoBar:

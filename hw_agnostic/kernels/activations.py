@@ -67,7 +67,7 @@ def _gated_activation(
         out[tile_m, tile_i] = (act * u).to(out.dtype)
 
 
-gated_activation_kernel = HelionFunction(_gated_activation, memory_bound=True)
+gated_activation_kernel = HelionFunction(_gated_activation, memory_bound=True, fp_fusion=False)
 
 
 # --------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def _gated_rms_norm(
         out[tile_m, tile_g, :] = y.to(out.dtype)
 
 
-gated_rms_norm_kernel = HelionFunction(_gated_rms_norm)
+gated_rms_norm_kernel = HelionFunction(_gated_rms_norm, fp_fusion=False)
 
 GATED_RMS_NORM = KernelSpec(
     "gated_rms_norm", (_activate, _gated_rms_norm), norm_configs.default_config, norm_configs.candidate_configs

@@ -151,9 +151,9 @@ def _fused_add_layer_norm_chunked(
             out[tile_m, tile_n] = y.to(out.dtype)
 
 
-layer_norm_kernel = HelionFunction(_layer_norm)
-fused_add_layer_norm_row_kernel = HelionFunction(_fused_add_layer_norm_row)
-fused_add_layer_norm_chunked_kernel = HelionFunction(_fused_add_layer_norm_chunked)
+layer_norm_kernel = HelionFunction(_layer_norm, fp_fusion=False)
+fused_add_layer_norm_row_kernel = HelionFunction(_fused_add_layer_norm_row, fp_fusion=False)
+fused_add_layer_norm_chunked_kernel = HelionFunction(_fused_add_layer_norm_chunked, fp_fusion=False)
 
 LAYER_NORM = KernelSpec(
     "layer_norm", (_affine, _layer_norm), norm_configs.default_config, norm_configs.candidate_configs

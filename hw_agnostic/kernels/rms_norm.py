@@ -120,9 +120,9 @@ def _fused_add_rms_norm_chunked(
             out[tile_m, tile_n] = y.to(out.dtype)
 
 
-rms_norm_kernel = HelionFunction(_rms_norm, memory_bound=True)
-fused_add_rms_norm_row_kernel = HelionFunction(_fused_add_rms_norm_row, memory_bound=True)
-fused_add_rms_norm_chunked_kernel = HelionFunction(_fused_add_rms_norm_chunked, memory_bound=True)
+rms_norm_kernel = HelionFunction(_rms_norm, memory_bound=True, fp_fusion=False)
+fused_add_rms_norm_row_kernel = HelionFunction(_fused_add_rms_norm_row, memory_bound=True, fp_fusion=False)
+fused_add_rms_norm_chunked_kernel = HelionFunction(_fused_add_rms_norm_chunked, memory_bound=True, fp_fusion=False)
 
 
 # --------------------------------------------------------------------------------------------

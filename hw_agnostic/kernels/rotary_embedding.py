@@ -87,7 +87,7 @@ def _rotary_embedding(
             k_out[tile_b, tile_h, tile_t, tile_p] = k[tile_b, tile_h, tile_t, tile_p]
 
 
-rotary_embedding_kernel = HelionFunction(_rotary_embedding, memory_bound=True)
+rotary_embedding_kernel = HelionFunction(_rotary_embedding, memory_bound=True, fp_fusion=False)
 
 
 # --------------------------------------------------------------------------------------------

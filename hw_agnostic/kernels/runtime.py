@@ -61,13 +61,22 @@ class HelionFunction:
 
     ``memory_bound`` marks kernels whose speed is their memory traffic (norms, activations, KV
     writes): in compile-for-target mode they must read aligned contiguous rows with 128-bit loads.
+
+    ``fp_fusion=False`` forbids the compiler to contract a multiply and an add into one FMA, so
+    every rounding the kernel writes happens: kernels that follow a Hugging Face module's 16-bit
+    roundings need it. Triton 3.6 (not 3.9) turns ``round(round(a * w) + b)`` on bf16 values into
+    one ``fma.rn.bf16``, which rounded 23-30% of Chameleon's layer-norm outputs differently from
+    the module on an H200. It costs a memory-bound kernel nothing.
     """
 
-    def __init__(self, fn: Callable[..., Any], *, dot_precision: str | None = None, memory_bound: bool = False) -> None:
+    def __init__(self, fn: Callable[..., Any], *, dot_precision: str | None = None, memory_bound: bool = False,
+                 fp_fusion: bool = True) -> None:
         self.fn = fn
         self.name = fn.__name__.lstrip("_")
         self.dot_precision = dot_precision  # "ieee" for exact fp32 dots (Triton's default is TF32)
         self.memory_bound = memory_bound
+        # Triton launch options Helion's config does not carry
+        self.launch_options: dict[str, Any] = {} if fp_fusion else {"enable_fp_fusion": False}
         self._kernels: dict[tuple[bool, tuple[tuple[int, ...], ...] | None], Any] = {}
 
     def _kernel(self, int64: bool, size_class: tuple[tuple[int, ...], ...] | None) -> Any:
@@ -105,8 +114,24 @@ class HelionFunction:
         fitted = _fit_config(bound.config_spec, config)
         host = bound.compile_config(helion.Config(**fitted))
         if compiling_for_targets:
-            return targets.TargetLaunch(self.name, fitted, host, memory_bound=self.memory_bound)
+            return targets.TargetLaunch(self.name, fitted, host, memory_bound=self.memory_bound,
+                                        launch_options=self.launch_options)
+        if self.launch_options:
+            return functools.partial(host, _launcher=_launcher_with(tuple(self.launch_options.items())))
         return host
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher_with(options: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
+    """Helion's default launcher, passing Triton these launch options too."""
+    from helion.runtime import default_launcher
+
+    extra = dict(options)
+
+    def launch(triton_kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:
+        return default_launcher(triton_kernel, grid, *args, **extra, **kwargs)
+
+    return launch
 
 
 def _size_class(config: Config, args: tuple[Any, ...]) -> tuple[tuple[int, ...], ...] | None:

@@ -326,8 +326,10 @@ class TargetLaunch:
     Nothing runs on any device.
     """
 
-    def __init__(self, kernel: str, config: Mapping[str, Any], host: Callable[..., Any], *, memory_bound: bool) -> None:
+    def __init__(self, kernel: str, config: Mapping[str, Any], host: Callable[..., Any], *, memory_bound: bool,
+                 launch_options: Mapping[str, Any] | None = None) -> None:
         self.kernel, self.config, self.host, self.memory_bound = kernel, dict(config), host, memory_bound
+        self.launch_options = dict(launch_options or {})  # what the real launch adds (see HelionFunction)
 
     def __call__(self, *args: Any) -> None:
         self.host(*args, _launcher=self._capture)
@@ -340,7 +342,7 @@ class TargetLaunch:
             compile_log.launches[self.kernel] += 1
         if not mode.compile:
             return
-        args, options = _launch_arguments(args, options)
+        args, options = _launch_arguments(args, {**options, **self.launch_options})
         launch = Launch(self.kernel, self.config, jit_fn, tuple(grid), args, options, self.memory_bound,
                         _op_label.get())
         chosen = _only.get()

@@ -167,3 +167,27 @@ def test_the_registry_accepts_cpu_and_meta_only_for_triton_providers(monkeypatch
         assert provider.compiles_for_targets(key) and provider.why_not(key) is None
     assert not provider.compiles_for_targets(key)
     assert registry.TARGET_MODE_DEVICES == {"cpu", "meta"}
+
+
+def _affine_bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    for tile in hl.tile(x.size(0)):
+        product = (x[tile].to(torch.float32) * w[tile].to(torch.float32)).to(torch.bfloat16)  # rounded, as HF does
+        out[tile] = (product.to(torch.float32) + b[tile].to(torch.float32)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("fp_fusion", [False, True])
+def test_a_kernel_following_roundings_compiles_without_fma_contraction(fp_fusion, monkeypatch):
+    """``fp_fusion=False`` reaches the compiler: no multiply-add is contracted across a rounding
+    (with fusion, Triton 3.6 and 3.9 both compile ``round(round(x * w) + b)`` on bf16 to one
+    ``fma.rn.bf16``: one rounding where the module makes two)."""
+    compiled = []
+    measure = targets._measure
+    monkeypatch.setattr(targets, "_measure", lambda c, *a: compiled.append(c) or measure(c, *a))
+    kernel = HelionFunction(_affine_bf16, fp_fusion=fp_fusion)
+    args = tuple(torch.randn(4096).to(torch.bfloat16) for _ in range(4))
+    with targets.compile_for(["sm_90"], run_reference=False):
+        _launch(kernel, BLOCK, args)
+    (binary,) = compiled
+    assert binary.metadata.enable_fp_fusion is fp_fusion
+    if not fp_fusion:
+        assert "fma.rn.bf16" not in binary.asm["ptx"] and "mul.rn.bf16" in binary.asm["ptx"]

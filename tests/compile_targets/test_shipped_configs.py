@@ -1,16 +1,20 @@
 """Every shipped config passes the rules on the target it is for.
 
 Tuned configs (``autotune_cache/<platform>/``, measured on one GPU) are compiled for their
-platform's target at the model shape of their key; compile-chosen defaults
-(``autotune_cache/<target>/``) must be fresh (tuned for the kernel's current source, so each
-passed the rules when it was chosen), and a sample of those that differ from the built-in default
-(the first, middle and last key of each file) is compiled again for its target, which catches a
-Triton upgrade that changes what they compile to without recompiling every entry in every run.
+platform's target at the model shape of their key, and must compile without spills or shared
+memory overflow; the 128-bit vector rule, a prediction of speed, does not bind them (the tuner
+timed them on the device: on an H200, 64-bit loads with 32 warps won a 1-token norm).
+Compile-chosen defaults (``autotune_cache/<target>/``) must be fresh (tuned for the kernel's
+current source, so each passed the rules when it was chosen), and a sample of those that differ
+from the built-in default (the first, middle and last key of each file) is compiled again for its
+target, which catches a Triton upgrade that changes what they compile to without recompiling every
+entry in every run.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import re
 
@@ -46,8 +50,11 @@ def _check(entries) -> None:
         unmatched)
     log = targets.CompileLog()
     for entry in _to_compile(entries):
+        tuned = entry.folder not in targets.TARGETS
         for target in entry.targets:
             for record in compile_entry(entry, target):
+                if tuned and record.vector_rule == "required":
+                    record = dataclasses.replace(record, vector_rule="exempt: timed on the device")
                 log.add(record)
     log.check()
 
