@@ -115,10 +115,13 @@ class UlpTolerance:
 
 
 #: A kernel against the Hugging Face module it replaces, in the module's fp16/bf16 output dtype:
-#: no element more than one ulp off, and at most 1% of them not bit-equal (a last-bit difference
+#: no element more than two ulps off, and at most 1% of them not bit-equal. A last-bit difference
 #: of a transcendental or of a reduction order, in fp32, flips the rounding of an element now and
-#: then; a rounding in the wrong place moves about a quarter of them).
-HF_PARITY = UlpTolerance(max_ulps=1, max_inexact=0.01)
+#: then, and where the module rounds twice (``act(gate)``, then the product with ``up``) the second
+#: rounding can carry that one ulp to two (on an H200: 1 of 1920 fp16 silu-and-mul elements, the
+#: GPU's exp and division differing from the CPU's); a rounding in the wrong place moves about a
+#: quarter of the elements.
+HF_PARITY = UlpTolerance(max_ulps=2, max_inexact=0.01)
 BIT_EXACT = UlpTolerance(max_ulps=0, max_inexact=0.0)
 
 _ORDERED_INT = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,

@@ -54,6 +54,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import logging
 import re
 import sys
 import weakref
@@ -70,6 +71,8 @@ from ..layers.base import resolve
 from ..ops.write_kv_cache import write_kv_cache
 from .changes import Change
 from .kv_flow import kv_flow
+
+log = logging.getLogger(__name__)
 
 ATTENTION_NAME = "hw_agnostic_paged"
 _FALLBACK_ATTRIBUTE = "_hw_agnostic_fallback_attention"
@@ -99,6 +102,10 @@ def paged_attention_forward(
         batch = batch.page(key, value, real_tokens(batch.attention_mask, key.shape[2]))
     if batch is None:
         return _fallback(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    why = _mask_refusal(batch, attention_mask, query.shape[2], kwargs.get("sliding_window"))
+    if why is not None:
+        return _own_attention_instead(module, state, batch, why, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
     order = None
     if key is not batch.key_states or value is not batch.value_states:
         order = _expanded_heads(module, query, key, value, batch)
@@ -116,6 +123,97 @@ def paged_attention_forward(
 
 class KVChangedError(NotImplementedError):
     """An attention module computes with K/V other than the ones it stored in the cache."""
+
+
+class UnservableMask(NotImplementedError):
+    """A module's attention mask is not the kernel's causal one (ALiBi or another bias folded in,
+    a bidirectional prefix): ``paged_attention`` would not compute what the module computes."""
+
+
+#: an additive mask entry at or below this hides its key (exp underflows to 0 in every float dtype)
+HIDDEN = -1.0e4
+_STRICTNESS = "_hw_agnostic_strictness"  # the module's StrictUntilReleased holder, while verification runs
+
+
+@dataclasses.dataclass(eq=False)
+class Strictness:
+    """True while verification may still undo a change: a call the kernel cannot serve raises, so
+    the change is undone and the reason reported. Released, the module runs its own attention."""
+
+    strict: bool = True
+
+
+@dataclasses.dataclass(eq=False)
+class StrictUntilReleased(Change):
+    """An attention change that is strict until released (verification is over), then lenient."""
+
+    holder: Any = None  # anything with a ``strict`` attribute
+
+    def release(self) -> None:
+        super().release()
+        if self.holder is not None:
+            self.holder.strict = False
+
+
+def _mask_refusal(batch: PagedBatch, mask: Any, q_len: int, window: Optional[int]) -> Optional[str]:
+    """Why the 4-D ``mask`` a plain cache's step (or a forward without a cache) gives the attention
+    function is not the kernel's causal, padding-hiding (windowed) mask; None when it is.
+
+    Checked once per step, mask and window for all the layers of a model (a host sync). Not while
+    a graph is traced or captured: the eager calls verification makes have checked the model's masks.
+    """
+    store = batch.store
+    if store is None or not isinstance(mask, Tensor) or mask.dim() != 4:
+        return None  # continuous batching's own masks, no mask, or a 2-D padding mask read as it is
+    if torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    width = mask.shape[-1]
+    if width > store.seen:
+        agrees = store.share.once(("interface mask", mask, store.real, store.seen, q_len, window), lambda: bool(
+            (_additive(mask[..., store.seen:]) <= HIDDEN).all()) and _masks_agree(
+            [(_additive(mask[..., : store.seen]), 1.0)], store.real, store.seen, q_len, store.batch_size, mask.device,
+            window), versioned=True)
+    else:  # a sliding window's mask may span only the last positions
+        agrees = store.share.once(("interface mask", mask, store.real, store.seen, q_len, window), lambda: _masks_agree(
+            [(torch.nn.functional.pad(_additive(mask), (store.seen - width, 0), value=float("-inf")), 1.0)],
+            store.real, store.seen, q_len, store.batch_size, mask.device, window), versioned=True)
+    if agrees:
+        return None
+    return ("is given an attention mask that is not causal over its cached tokens (e.g. ALiBi or a relative-position "
+            "bias folded in, a bidirectional prefix, or another window than the one it passes), which the paged "
+            "kernel does not read")
+
+
+def _additive(mask: Tensor) -> Tensor:
+    return torch.where(mask, 0.0, float("-inf")) if mask.dtype == torch.bool else mask
+
+
+def _own_attention_instead(module: nn.Module, state: Any, batch: PagedBatch, why: str, query: Tensor, key: Tensor,
+                           value: Tensor, attention_mask: Tensor, **kwargs: Any) -> tuple[Tensor, Any]:
+    """The module's own attention over every position's K/V, for a mask the kernel does not read.
+
+    While verification runs this raises (the change is undone, with ``why`` in the report); after
+    it, the module runs its own attention from now on (its binding writes every token to the pages,
+    since padding cannot be read from such a mask, and reads them back).
+    """
+    message = f"{type(module).__name__} {why}"
+    holder = module.__dict__.get(_STRICTNESS)
+    if holder is not None and holder.strict:
+        raise UnservableMask(message)
+    if key is not batch.key_states or value is not batch.value_states:
+        raise UnservableMask(f"{message}; it also changes K/V after storing them, so its own attention cannot be "
+                             "run over the pages either")
+    if state.unservable is None:
+        log.warning("hw_agnostic: %s; it runs its own attention over K/V read back from the pages", message)
+        state.unservable = message
+    store, steps = batch.store, key.shape[2]
+    # the step went to the pages with padding read from this mask: written again, every token kept
+    store.crop(steps)
+    store.append(key.transpose(1, 2), value.transpose(1, 2), None)
+    keys, values = store.read()
+    keys = torch.cat([keys[:, :, : keys.shape[2] - steps], key], dim=2)
+    values = torch.cat([values[:, :, : values.shape[2] - steps], value], dim=2)
+    return _fallback(module)(module, query, keys, values, attention_mask, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,6 +409,37 @@ class PagedCacheLayer(_cache_layer_base()):  # type: ignore[misc]
         pass
 
 
+def _masks_agree(biases: list[tuple[Tensor, float]], real: Optional[Tensor], seen: int, q_len: int,
+                 batch_size: int, device: torch.device, window: Optional[int] = None) -> bool:
+    """Whether the sum of additive ``biases`` (each times its coefficient) is the kernel's mask:
+    0 where a query sees a key (causal, within ``window``, not padding), hidden elsewhere."""
+    past = seen - q_len
+    rows = torch.arange(q_len, device=device)[:, None] + past
+    columns = torch.arange(seen, device=device)[None, :]
+    visible = columns <= rows
+    if window is not None:
+        visible = visible & (columns > rows - window)
+    allowed = visible[None].expand(batch_size, q_len, seen)  # [B, q, L]
+    queries = torch.ones(batch_size, q_len, dtype=torch.bool, device=device)
+    if real is not None:
+        real = real.to(device)
+        allowed = allowed & real[:, None, :]
+        queries = real[:, past:]
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for bias, coefficient in biases:
+        total = total + bias.float() * coefficient
+    total = torch.broadcast_to(total, torch.broadcast_shapes(total.shape, (batch_size, 1, q_len, seen)))
+    # a real query sees exactly its causal, unpadded keys
+    rows_ok = torch.where(allowed[:, None], total == 0, total <= HIDDEN).all(-1)  # [B, H, q]
+    # and a query the pages take for padding hides its own position: the padding read on write
+    # (from the mask's diagonal) must be the padding of the mask the module applies, not a bias
+    # that merely moved the diagonal off zero (ALiBi folded into the mask, say)
+    steps = torch.arange(q_len, device=device)
+    own_hidden = total[:, :, steps, past + steps] <= HIDDEN  # [B, H, q]
+    return bool(torch.where(queries[:, None], rows_ok, own_hidden).all())
+
+
+
 def real_tokens(attention_mask: Any, q_len: int, past: int = 0) -> Optional[Tensor]:
     """``[B, q]`` bool: which of a step's tokens are not padding, read from the mask the model made.
 
@@ -398,15 +527,19 @@ class _StoreBinding:
             if kwargs is not None:
                 extra["kwargs"] = kwargs
             return self.cache.update(key_states, value_states, layer_idx, *args, **extra)
+        state = self.layer.__dict__[_STATE]
         past, q_len, mask = paged.get_seq_length(), key_states.shape[2], self.attention_mask
-        # the mask is the caller's, who may refill it in place: keyed on its version too
-        real = paged.share.once(("real", mask, q_len, past), lambda: real_tokens(mask, q_len, past), versioned=True)
+        if state.unservable is not None:  # its masks are not the kernel's: its own attention, every token kept
+            real = None
+        else:
+            # the mask is the caller's, who may refill it in place: keyed on its version too
+            real = paged.share.once(("real", mask, q_len, past), lambda: real_tokens(mask, q_len, past), versioned=True)
         batch = paged.append(key_states, value_states, real)
         if index == own:
-            self.layer.__dict__[_STATE].kv = paged.store
-        if self.fallback:
+            state.kv = paged.store
+        if self.fallback or state.unservable is not None:
             return paged.read_with(key_states, value_states)
-        self.layer.__dict__[_STATE].pending = batch
+        state.pending = batch
         return key_states, value_states
 
     def __getattr__(self, name: str) -> Any:
@@ -604,15 +737,20 @@ def paging_changes(model: nn.Module, *, block_size: int = 16) -> tuple[list[Chan
         config._attn_implementation_internal = ATTENTION_NAME
         original = type(module).__name__
 
-        def apply(module: nn.Module = module, config: Any = config) -> None:
+        strictness = Strictness()
+
+        def apply(module: nn.Module = module, config: Any = config, strictness: Strictness = strictness) -> None:
             layer_class.adopt(module, bind_cache=bind_cache, attention_config=config, block_size=block_size)
+            module.__dict__[_STRICTNESS] = strictness
 
         def undo(module: nn.Module = module) -> None:
+            module.__dict__.pop(_STRICTNESS, None)
             PagedAttention.release(module)
 
         apply()
-        changes.append(Change("attention", path, original, layer_class.__name__,
-                              "K/V in a paged cache: write_kv_cache + paged_attention", apply, undo))
+        changes.append(StrictUntilReleased("attention", path, original, layer_class.__name__,
+                                           "K/V in a paged cache: write_kv_cache + paged_attention", apply, undo,
+                                           holder=strictness))
     if changes:
         _install_pages_first(model)
     covered = [p for p, _, _ in left] + [c.path for c in changes]

@@ -55,16 +55,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..layers.attention import _STATE, PagedAttention, PagedBatch, _call_shape, _PagedState, attend
 from ..layers.base import resolve
-from .attention import _cache_classes, bind_cache, paged_layer_of
-from .changes import Change
+from .attention import StrictUntilReleased, _cache_classes, _masks_agree, bind_cache, paged_layer_of
 
 log = logging.getLogger(__name__)
 
 _OWN = "_hw_agnostic_own_code"
 _CROSS_NAMES = ("encoder_attn", "crossattention", "cross_attn", "cross_attention", "encdec_attention")
 _CROSS_ARGUMENTS = ("key_value_states", "encoder_hidden_states")
-#: an additive mask entry at or below this hides its key (exp underflows to 0 in every float dtype)
-_HIDDEN = -1.0e4
 
 
 class UnrecognisedAttention(NotImplementedError):
@@ -81,7 +78,7 @@ def own_code_refusal(path: str, module: nn.Module) -> Optional[str]:
     return None
 
 
-def own_code_change(path: str, module: nn.Module, block_size: int) -> Change:
+def own_code_change(path: str, module: nn.Module, block_size: int) -> StrictUntilReleased:
     """Make ``module`` (whose attention is its own code) a paged attention layer, in place."""
     original = type(module).__name__
     own = _OwnState()
@@ -93,10 +90,10 @@ def own_code_change(path: str, module: nn.Module, block_size: int) -> Change:
         release_own_code(module)
 
     apply()
-    return _StrictUntilReleased(
+    return StrictUntilReleased(
         "attention", path, original, type(module).__name__,
         "K/V in a paged cache: write_kv_cache + paged_attention (its own attention code interpreted)", apply, undo,
-        own=own)
+        holder=own)
 
 
 @dataclasses.dataclass(eq=False)
@@ -108,17 +105,6 @@ class _OwnState:
     replay: bool = False  # the forward is being rerun: update returns what the pages hold, writes nothing
     interpreter: Optional["_Interpreter"] = None
 
-
-@dataclasses.dataclass(eq=False)
-class _StrictUntilReleased(Change):
-    """The change of an own-code module: releasing it (verification is over) makes the module lenient."""
-
-    own: Optional[_OwnState] = None
-
-    def release(self) -> None:
-        super().release()
-        if self.own is not None:
-            self.own.strict = False
 
 
 def adopt_own_code(module: nn.Module, *, block_size: int = 16, own: Optional[_OwnState] = None) -> nn.Module:
@@ -624,28 +610,3 @@ def _padding_read_agrees(mask: Any, store: Any, q_len: int) -> bool:
         return False
     additive = torch.where(mask, 0.0, float("-inf")) if mask.dtype == torch.bool else mask
     return _masks_agree([(additive, 1.0)], store.real, store.seen, q_len, store.batch_size, mask.device)
-
-
-def _masks_agree(biases: list[tuple[Tensor, float]], real: Optional[Tensor], seen: int, q_len: int,
-                 batch_size: int, device: torch.device) -> bool:
-    past = seen - q_len
-    rows = torch.arange(q_len, device=device)[:, None] + past
-    columns = torch.arange(seen, device=device)[None, :]
-    allowed = (columns <= rows)[None].expand(batch_size, q_len, seen)  # [B, q, L]
-    queries = torch.ones(batch_size, q_len, dtype=torch.bool, device=device)
-    if real is not None:
-        real = real.to(device)
-        allowed = allowed & real[:, None, :]
-        queries = real[:, past:]
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for bias, coefficient in biases:
-        total = total + bias.float() * coefficient
-    total = torch.broadcast_to(total, torch.broadcast_shapes(total.shape, (batch_size, 1, q_len, seen)))
-    # a real query sees exactly its causal, unpadded keys
-    rows_ok = torch.where(allowed[:, None], total == 0, total <= _HIDDEN).all(-1)  # [B, H, q]
-    # and a query the pages take for padding hides its own position: the padding read on write
-    # (from the mask's diagonal) must be the padding of the mask the module applies, not a bias
-    # that merely moved the diagonal off zero (ALiBi folded into the mask, say)
-    steps = torch.arange(q_len, device=device)
-    own_hidden = total[:, :, steps, past + steps] <= _HIDDEN  # [B, H, q]
-    return bool(torch.where(queries[:, None], rows_ok, own_hidden).all())

@@ -64,6 +64,8 @@ class PagedBatch:
     # these very tensors, or the module changed K/V after storing them (and cannot be paged).
     key_states: Optional[Tensor] = None
     value_states: Optional[Tensor] = None
+    # The layer's pages the step went to (None for pages owned elsewhere: continuous batching).
+    store: Optional["PagedKVCache"] = None
 
 
 def attend(
@@ -170,7 +172,7 @@ class PagedKVCache:
         self.kv_lens, self.real = step.kv_lens, step.real
         self.seen += q_len
         return PagedBatch(self.k_pages, self.v_pages, self.block_table, step.cu_seqlens_q, self.kv_lens, q_len,
-                          self.seen, step.query_order)
+                          self.seen, step.query_order, store=self)
 
     @property
     def padded(self) -> bool:
@@ -379,6 +381,9 @@ class _PagedState:
     pending: Any = None
     base_forward: Optional[Callable[..., Any]] = None  # the module's own class's forward
     cache_names: tuple[str, ...] = ()  # every name a cache may arrive under
+    # Why the kernel cannot serve this module (its masks are not causal ones), once seen: from
+    # then on it runs its own attention over the K/V its pages hold.
+    unservable: Optional[str] = None
 
     def __post_init__(self) -> None:
         self.cache_names = tuple(dict.fromkeys((*_CACHE_NAMES, self.cache_name)))
@@ -503,7 +508,7 @@ class PagedAttention(PluggableLayer):
         if cache is None:
             # No cache: the module's cache code must not run, so its K/V reach the attention
             # function directly, which pages them for this one forward.
-            if not fallback:
+            if not fallback and state.unservable is None:
                 state.pending = TransientPages(state.block_size, arguments.get("attention_mask"))
         else:
             arguments[state.cache_name] = state.bind_cache(self, cache, arguments.get("attention_mask"), fallback)

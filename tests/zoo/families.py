@@ -84,6 +84,8 @@ UNBUILDABLE: dict[str, str] = {
     "inkling2_loop_text": "its loop/hybrid-sliding layer pattern indexes past the shrunk layers",
     "inkling2_text": "its hybrid-sliding layer pattern indexes past the shrunk layers",
     "kimi_linear": "its MoE routing asks for more experts than the shrunk expert count",
+    "kolibri1_1": "its default KV-sharing sources (kv_source_layers) are set for its full layer count, which a "
+                  "shrunk config cannot keep (transformers 5.25)",
     "lfm2_moe": "its default config leaves layer_types unset, which its own forward reads",
     "mamba2": "its group/head split does not divide at the shrunk sizes",
     "musicgen": "text-to-audio: two text configs (encoder and decoder), not a plain causal LM",
