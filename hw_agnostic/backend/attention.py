@@ -167,21 +167,25 @@ def _mask_refusal(batch: PagedBatch, mask: Any, q_len: int, window: Optional[int
         return None  # continuous batching's own masks, no mask, or a 2-D padding mask read as it is
     if torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
-    width = mask.shape[-1]
-    if width > store.seen:
-        agrees = store.share.once(("interface mask", mask, store.real, store.seen, q_len, window), lambda: bool(
-            (_additive(mask[..., store.seen:]) <= HIDDEN).all()) and _masks_agree(
-            [(_additive(mask[..., : store.seen]), 1.0)], store.real, store.seen, q_len, store.batch_size, mask.device,
-            window), versioned=True)
-    else:  # a sliding window's mask may span only the last positions
-        agrees = store.share.once(("interface mask", mask, store.real, store.seen, q_len, window), lambda: _masks_agree(
-            [(torch.nn.functional.pad(_additive(mask), (store.seen - width, 0), value=float("-inf")), 1.0)],
-            store.real, store.seen, q_len, store.batch_size, mask.device, window), versioned=True)
+    agrees = store.share.once(("interface mask", mask, store.real, store.seen, q_len, window),
+                              lambda: _is_the_kernels_mask(mask, store, q_len, window), versioned=True)
     if agrees:
         return None
     return ("is given an attention mask that is not causal over its cached tokens (e.g. ALiBi or a relative-position "
             "bias folded in, a bidirectional prefix, or another window than the one it passes), which the paged "
             "kernel does not read")
+
+
+def _is_the_kernels_mask(mask: Tensor, store: PagedKVCache, q_len: int, window: Optional[int]) -> bool:
+    bias, seen = _additive(mask), store.seen
+    width = bias.shape[-1]
+    if width > seen:  # columns past the positions seen (a static cache's capacity) must hide their keys
+        if not bool((bias[..., seen:] <= HIDDEN).all()):
+            return False
+        bias = bias[..., :seen]
+    elif width < seen:  # a sliding window's mask may span only the last positions
+        bias = torch.nn.functional.pad(bias, (seen - width, 0), value=float("-inf"))
+    return _masks_agree([(bias, 1.0)], store.real, seen, q_len, store.batch_size, mask.device, window)
 
 
 def _additive(mask: Tensor) -> Tensor:
@@ -437,7 +441,6 @@ def _masks_agree(biases: list[tuple[Tensor, float]], real: Optional[Tensor], see
     steps = torch.arange(q_len, device=device)
     own_hidden = total[:, :, steps, past + steps] <= HIDDEN  # [B, H, q]
     return bool(torch.where(queries[:, None], rows_ok, own_hidden).all())
-
 
 
 def real_tokens(attention_mask: Any, q_len: int, past: int = 0) -> Optional[Tensor]:
