@@ -314,9 +314,10 @@ def bench(c: Campaign) -> None:
 #: model step first (where the decode step's time goes), then each op at its headline width
 GPU_BENCH = (
     ("attention", 40, None),
-    ("moe", 40, None),
-    ("model", 50, None),
-    ("ops", 90, r"^((fused_add_)?rms_norm_?|(fused_add_)?layer_norm_?) \d+x4096 |^(silu|gelu)_and_mul \d+x14336 "
+    ("moe", 45, None),
+    # its first row compiles HF's model; the H200 run of 2026-12-04 measured nothing in 50 s
+    ("model", 80, None),
+    ("ops", 60, r"^((fused_add_)?rms_norm_?|(fused_add_)?layer_norm_?) \d+x4096 |^(silu|gelu)_and_mul \d+x14336 "
                  r"|^swiglu_oai \d+x2880 |^gated_rms_norm \d+x(128|8192) |^rotary_embedding \d+x128 "),
 )
 
