@@ -210,13 +210,11 @@ def _own_attention_instead(module: nn.Module, state: Any, batch: PagedBatch, why
     if state.unservable is None:
         log.warning("hw_agnostic: %s; it runs its own attention over K/V read back from the pages", message)
         state.unservable = message
-    store, steps = batch.store, key.shape[2]
+    store = batch.store
     # the step went to the pages with padding read from this mask: written again, every token kept
-    store.crop(steps)
+    store.crop(key.shape[2])
     store.append(key.transpose(1, 2), value.transpose(1, 2), None)
-    keys, values = store.read()
-    keys = torch.cat([keys[:, :, : keys.shape[2] - steps], key], dim=2)
-    values = torch.cat([values[:, :, : values.shape[2] - steps], value], dim=2)
+    keys, values = store.read_with(key, value)
     return _fallback(module)(module, query, keys, values, attention_mask, **kwargs)
 
 
@@ -329,12 +327,10 @@ class PagedCacheLayer(_cache_layer_base()):  # type: ignore[misc]
         return self.read_with(key_states, value_states)
 
     def read_with(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
-        """Every position's K/V after a step was appended, the step's own given as they came (so
-        gradients reach them, and its padding positions hold what the module computed)."""
-        keys, values = self.read()
-        steps = key_states.shape[2]
-        return (torch.cat([keys[:, :, : keys.shape[2] - steps], key_states], dim=2),
-                torch.cat([values[:, :, : values.shape[2] - steps], value_states], dim=2))
+        """Every position's K/V after a step was appended (see :meth:`PagedKVCache.read_with`)."""
+        if self.store is None:
+            raise ValueError("this paged cache layer holds nothing yet")
+        return self.store.read_with(key_states, value_states)
 
     def read(self) -> tuple[Tensor, Tensor]:
         """Every position's K/V, ``[B, Hkv, seen, D]`` (zeros at padding, which the mask hides)."""

@@ -202,6 +202,14 @@ class PagedKVCache:
             keys, values = keys.masked_fill(pad, 0), values.masked_fill(pad, 0)
         return keys.transpose(1, 2), values.transpose(1, 2)
 
+    def read_with(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
+        """Every position's K/V after a step ``[B, Hkv, q, D]`` was appended, the step's own given as
+        they came (so gradients reach them, and its padding positions hold what the module computed)."""
+        keys, values = self.read()
+        steps = key_states.shape[2]
+        return (torch.cat([keys[:, :, : keys.shape[2] - steps], key_states], dim=2),
+                torch.cat([values[:, :, : values.shape[2] - steps], value_states], dim=2))
+
     # -- batch operations (beam search, sampling several sequences, assisted decoding) ----------
 
     def select(self, index: Tensor) -> None:
