@@ -160,3 +160,47 @@ def test_overlap_never_misses_a_shared_byte(a, b, same_layout):
         assert checks.overlap(first, second) == shared  # exact for one layout
     offsets = [sum(i * s for i, s in zip(index, first.stride())) for index in itertools.product(*map(range, first.shape))]
     assert checks.self_overlapping(first) or len(set(offsets)) == len(offsets)
+
+
+# A call's checks are kept per signature (metadata and where the tensors lie): the same shapes and
+# strides with memory shared differently are checked again.
+SAME_SIGNATURE = [
+    ("k_cache and v_cache are views of one buffer",
+     lambda: _write(*_kv(), _cache(), _cache()), lambda: (lambda c: _write(*_kv(), c, c))(_cache())),
+    ("x and residual share memory",
+     lambda: ops.fused_add_rms_norm(torch.zeros(3, 8)[:, :5], torch.zeros(3, 8)[:, 3:], inplace=True),
+     lambda: (lambda t: ops.fused_add_rms_norm(t[:, :5], t[:, 3:], inplace=True))(torch.zeros(3, 8))),
+    ("residual and bias share memory",
+     lambda: ops.fused_add_layer_norm(torch.zeros(2, 8), torch.zeros(3, 8)[:2], None, torch.zeros(3, 8)[1],
+                                      inplace=True),
+     lambda: (lambda t: ops.fused_add_layer_norm(torch.zeros(2, 8), t[:2], None, t[1], inplace=True))(
+         torch.zeros(3, 8))),
+]
+
+
+@pytest.mark.parametrize("message, accepted, refused", SAME_SIGNATURE, ids=[m for m, _, _ in SAME_SIGNATURE])
+def test_a_signature_checked_once_still_refuses_shared_memory(message, accepted, refused):
+    for _ in range(2):
+        accepted()
+        with pytest.raises(ValueError, match=re.escape(message)):
+            refused()
+
+
+@pytest.mark.parametrize("op_name", ["fused_add_rms_norm_", "fused_add_layer_norm_", "write_kv_cache"])
+@given(data=st.data())
+@settings(max_examples=40, deadline=None)
+def test_each_ops_placement_sees_every_meeting_with_a_written_argument(op_name, data):
+    """The placement written out per op equals the general loop's, restricted to the pairs with an
+    argument the op writes (the only pairs its checks compare)."""
+    from hw_agnostic.ops import registry
+
+    op = registry.get_op(op_name)
+    args = list(op.example_inputs(4, 8, torch.float32, "cpu"))
+    pool = torch.zeros(4096)  # 4-byte elements of some arguments laid over one buffer, so some meet
+    for i, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor) and arg.element_size() == 4 and data.draw(st.booleans(), label=f"pool {i}"):
+            offset = data.draw(st.integers(0, 64), label=f"offset {i}")
+            args[i] = pool[offset:offset + arg.numel()].view(arg.dtype).view(arg.shape)
+    written = set(op._mutated_positions)
+    general = tuple(m for m in registry._placement(tuple(args)) if m[0] in written or m[1] in written)
+    assert op._placement(*args) == general

@@ -78,3 +78,50 @@ def requires_grad_function(reference: Callable[..., Any]) -> Callable[..., bool]
     parameters = _parameters(reference)
     tests = " or ".join(_requires_grad(p, kind) for p, kind in parameters) or "False"
     return _compile("any_requires_grad", parameters, f"bool({tests})")
+
+
+def _span(name: str, index: int) -> str:
+    """Source setting ``s<index>``/``e<index>`` to the address range of tensor ``name`` (its own bytes
+    when contiguous, else its storage's, which holds them)."""
+    return (f"    if {name}.is_contiguous():\n"
+            f"        s{index} = {name}.data_ptr(); e{index} = s{index} + {name}.nbytes\n"
+            f"    else:\n"
+            f"        st = {name}.untyped_storage(); s{index} = st.data_ptr(); e{index} = s{index} + st.nbytes()\n")
+
+
+def placement_function(reference: Callable[..., Any], mutated: tuple[str, ...],
+                       general: Callable[[tuple[Any, ...]], tuple[Any, ...]]) -> Callable[..., tuple[Any, ...]]:
+    """``f(*args)``: where an in-place call's tensors lie, as far as its checks can tell: the pairs
+    of arguments (positions and addresses) whose address ranges meet, among the pairs with an
+    argument the op writes (its checks compare nothing else). ``general(args)`` (a loop over any
+    arguments, :func:`.registry._placement`) takes calls with a tensor where the annotations say
+    otherwise. Written out per op as :func:`signature_function` is: the loop cost 2.5 µs of an
+    in-place layer norm's 12 at one row."""
+    parameters = _parameters(reference)
+    names = list(inspect.signature(reference).parameters)
+    written = {f"a{names.index(name)}" for name in mutated}
+    tensors = [(p, kind) for p, kind in parameters if kind != _OTHER]
+    others = [p for p, kind in parameters if kind == _OTHER]
+    lines = [f"def placement({', '.join(p for p, _ in parameters)}):\n"]
+    if others:
+        lines.append(f"    if {' or '.join(f'isinstance({p}, Tensor)' for p in others)}:\n"
+                     f"        return general(({', '.join(p for p, _ in parameters)},))\n")
+    for index, (p, kind) in enumerate(tensors):
+        span = _span(p, index)
+        if kind == _OPTIONAL_TENSOR:
+            span = f"    if {p} is not None:\n" + "".join(f"    {line}\n" for line in span.splitlines())
+        lines.append(span)
+    lines.append("    meeting = ()\n")
+    for i, (p, kind_p) in enumerate(tensors):
+        for j, (q, kind_q) in enumerate(tensors[i + 1:], i + 1):
+            if p not in written and q not in written:
+                continue
+            test = f"(s{i} < e{j} and s{j} < e{i} or s{i} == s{j})"
+            present = [f"{name} is not None" for name, kind in ((p, kind_p), (q, kind_q)) if kind == _OPTIONAL_TENSOR]
+            condition = " and ".join([*present, test])
+            lines.append(f"    if {condition}:\n"
+                         f"        meeting += (({p[1:]}, {q[1:]}, {p}.data_ptr(), {q}.data_ptr()),)\n")
+    lines.append("    return meeting\n")
+    namespace: dict[str, Any] = {"Tensor": torch.Tensor, "general": general}
+    exec(compile("".join(lines), "<placement>", "exec"), namespace)  # noqa: S102 - source built from parameter kinds only
+    return namespace["placement"]

@@ -205,6 +205,8 @@ class Op:
         self._signature = call_signature.signature_function(reference)
         self._any_requires_grad = call_signature.requires_grad_function(reference)
         self._mutated_positions = tuple(names.index(name) for name in self.mutates_args)
+        self._placement = (call_signature.placement_function(reference, self.mutates_args, _placement)
+                           if self.mutates_args else None)
         self.providers: tuple[Provider, ...] = (*providers, _reference_provider(self))
         self._plans: dict[Any, Plan] = {}
         self._checked: dict[tuple[Any, ...], Plan] = {}  # call signature -> plan, see dispatch
@@ -301,8 +303,8 @@ class Op:
             # What check and key read (the metadata, never the data): every eager call pays it
             # (see .call_signature).
             signature = self._signature(*args)
-            if self.mutates_args:  # the in-place checks compare where the tensors lie
-                signature = (signature, _placement(args))
+            if self._placement is not None:  # the in-place checks compare where the tensors lie
+                signature = (signature, self._placement(*args))
             plan = self._checked.get(signature)
         except (TypeError, AttributeError, RuntimeError, NotImplementedError):
             # unfit arguments (check names them), unhashable ones, a tensor without storage: no shortcut
@@ -520,7 +522,8 @@ def _check_override(op: Op, provider: Provider, key: Any, skipped: dict[str, str
 
 
 def _placement(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Where the tensor arguments lie, as far as the in-place checks can tell: they compare places
+    """Where the tensor arguments lie, as far as the in-place checks can tell (the general form of
+    :func:`.call_signature.placement_function`): they compare places
     only through overlap (:func:`.checks.overlap`), so the pairs of arguments whose address ranges
     (a contiguous tensor's own bytes, else its storage's) meet, with their addresses, and nothing
     of a tensor that meets no other (a decode step's fresh K/V written into the same caches keeps
