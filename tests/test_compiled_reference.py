@@ -37,17 +37,21 @@ def compiled_reference(monkeypatch):
 @pytest.mark.parametrize("entry,path", [(e, "compiled") for e in ENTRIES]
                          + [(e, "native") for e in ENTRIES if "Gated" in e.id], ids=repr)
 def test_the_cpu_path_rounds_like_the_module(entry, path, compiled_reference, monkeypatch):
-    """Compiled (larger calls) and, for the gated norms, native (decode sizes: these)."""
-    if path == "compiled":
-        monkeypatch.setattr(gated, "NATIVE_MAX_ELEMENTS", 0)
+    """The lean compiled reference (Inductor keeps each 16-bit rounding, see
+    ``compiled_reference._round_like_eager``) and, for the gated norms, the native form (the
+    ``native`` mode an engine that compiles by itself runs)."""
+    if path == "native":
+        monkeypatch.setenv(registry.COMPILE_ENV, "native")
+        ops.reset()
     g = seeded_generator(f"compiled-{entry.id}")
     module = hf_norms.build(entry, 60, g).to(torch.bfloat16)
     x, gate = hf_norms.inputs(entry, 60, torch.bfloat16, "cpu", g)
     want = hf_norms.run_module(entry, module, x, gate)
     with torch.no_grad(), ops.trace_dispatch() as ran:
         got = entry.ours(module, x, gate)
-    if path == "compiled":
+    if path == "compiled":  # the lean path, not torch.compile
         assert isinstance(ran[0].run, registry.CompiledReference) and ran[0].run.has_compiled
+        assert any(graph is not None for graph in ran[0].run.lean.values()) and not ran[0].run._dynamo
     else:
         assert ran[0].run.__name__ == "native"
     hf_norms.assert_same_rounding(got, want, share=0.0)

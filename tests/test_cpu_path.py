@@ -218,7 +218,7 @@ GATED_CASES = [c for c in gated_tests.CASES if c.config is None]
 
 @pytest.mark.parametrize("case", GATED_CASES, ids=repr)
 @pytest.mark.parametrize("spoiled", [False, True], ids=["finite", "nan-and-inf-rows"])
-def test_gated_rms_norm_native_form_is_bit_identical_to_the_reference(case, spoiled):
+def test_gated_rms_norm_native_form_is_bit_identical_to_the_reference(case, spoiled, monkeypatch):
     """Every order, grouping, numerics, activation, dtype mix and layout; NaN and infinities too (in
     the first rows only: a group with one NaN normalises to NaN)."""
     x, gate, weight, eps, order, group_size, numerics, activation = case.make()
@@ -228,7 +228,8 @@ def test_gated_rms_norm_native_form_is_bit_identical_to_the_reference(case, spoi
         if gate is not None:
             _spoil_row(gate, 2, slice(2, None, 9), float("-inf"))
     key = gated.gated_rms_norm_key(x, gate, weight, eps, order, group_size, numerics, activation)
-    native = gated._native(key._replace(tokens=1, hidden=1))  # the form itself, whatever the call's size
+    monkeypatch.setenv(registry.COMPILE_ENV, "native")
+    native = gated._native(key)  # the form itself, whatever the call's size
     got = native(x, gate, weight, eps, order, group_size, numerics, activation)
     want = gated.gated_rms_norm_reference(x, gate, weight, eps, order, group_size, numerics, activation)
     _assert_same_bits(got, want)
@@ -236,13 +237,20 @@ def test_gated_rms_norm_native_form_is_bit_identical_to_the_reference(case, spoi
         assert not want.isnan().all()
 
 
-def test_gated_rms_norm_runs_its_native_form_at_decode_sizes_only():
+@pytest.mark.parametrize("mode", ["1", "native"])
+def test_gated_rms_norm_runs_its_native_form_in_native_mode_only(mode, monkeypatch):
+    """Compiled, the lean reference at every size (one fused pass beats the native form's calls at
+    decode sizes too); in ``native`` mode the native form at every size."""
+    monkeypatch.setenv(registry.COMPILE_ENV, mode)
+    ops.reset()
     small = gated_tests.gated_case((16,), 128, torch.bfloat16).make()
     large = gated_tests.gated_case((64,), 4096, torch.bfloat16).make()
     with ops.trace_dispatch() as ran:
         ops.gated_rms_norm(*small[:4])
         ops.gated_rms_norm(*large[:4])
-    assert ran[0].run.__name__ == "native" and getattr(ran[1].run, "__name__", None) != "native"
+    names = [getattr(plan.run, "__name__", None) for plan in ran]
+    assert names == (["native", "native"] if mode == "native" else [None, None]), names
+    ops.reset()
 
 
 ACTIVATION_CASES = activation_tests.CASES

@@ -6,8 +6,9 @@ and whose tests check that on many shapes, opt into the lean path (``lean=True``
 
 On the CPU the reference is traced once per specialisation with ``make_fx`` (every size
 symbolic, so one graph serves every token count), compiled by Inductor into C++ with
-``emulate_precision_casts`` (each rounding the eager reference does to the input dtype is done
-too, so the compiled reference computes what the reference computes), and called straight
+``emulate_precision_casts`` and every 16-bit pointwise result rounded explicitly (each rounding
+the eager reference does to the input dtype is done too, see :func:`_round_like_eager`; what may
+still differ is the order of a reduction's additions), and called straight
 through the ``call`` function Inductor generates. ``torch.compile`` would put Dynamo's guards
 and AOTAutograd's wrappers in front of every call: about 8 µs, more than a decode-size norm
 takes. Calls of up to 64K elements run a single-threaded compile: an OpenMP region costs
@@ -158,6 +159,7 @@ class _LeanGraph:
         examples = _examples([args[i] for i in positions])
         with shape_config.patch(use_duck_shape=False):  # equal sizes are not assumed to stay equal
             traced = make_fx(graph, decomposition_table=select_decomp_table(), tracing_mode="symbolic")(*examples)
+        _round_like_eager(traced)
         fakes = [node.meta["val"] for node in traced.graph.find_nodes(op="placeholder")]
         options: dict[str, Any] = {"emulate_precision_casts": True}
         if threads is not None:
@@ -179,6 +181,39 @@ class _LeanGraph:
         if self.returned == "tuple":
             return tuple(results)
         return None
+
+
+#: Dtypes whose pointwise results eager PyTorch computes in fp32 and rounds to when it stores them.
+_ROUNDED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _round_like_eager(traced: torch.fx.GraphModule) -> None:
+    """Make each rounding of a 16-bit pointwise result explicit, as eager PyTorch rounds it.
+
+    Eager stores every bf16/fp16 result, rounded. Inductor computes a fused chain in fp32 and
+    rounds only where the graph converts explicitly (``emulate_precision_casts`` keeps those), so a
+    16-bit product feeding another op stayed unrounded: Qwen3-Next's gated norm (``weight * y``
+    in bf16, then times the fp32 gate) came out one step off in 27% of its elements, Chameleon's
+    layer norm in 26%. Each such result gets a round trip through fp32, which Inductor then
+    keeps; the trace through ``torch.compile`` did not have the problem, this one does not now."""
+    graph = traced.graph
+    convert = torch.ops.prims.convert_element_type.default
+    for node in list(graph.nodes):
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        value = node.meta.get("val")
+        if (target.namespace != "aten" or torch.Tag.pointwise not in target.tags
+                or not isinstance(value, torch.Tensor) or value.dtype not in _ROUNDED_DTYPES):
+            continue
+        with graph.inserting_after(node):
+            wide = graph.call_function(convert, (node, torch.float32))
+        with graph.inserting_after(wide):
+            rounded = graph.call_function(convert, (wide, value.dtype))
+        wide.meta["val"], rounded.meta["val"] = value.to(torch.float32), value
+        node.replace_all_uses_with(rounded, delete_user_cb=lambda user: user is not wide)
+    graph.lint()
+    traced.recompile()
 
 
 def _examples(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

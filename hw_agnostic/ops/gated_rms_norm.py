@@ -37,6 +37,7 @@ from ..autotune.keys import token_bucket
 from ..kernels import gated_rms_norm as kernels
 from ..kernels.runtime import helion_available
 from . import checks
+from .compiled_reference import lean_compiled_reference
 from .registry import Op, Provider, compile_reference_enabled
 from .rms_norm import MAX_KERNEL_HIDDEN
 
@@ -102,12 +103,9 @@ def _gated_rms_norm(
 # --------------------------------------------------------------------------------------------
 # the native path: on the CPU, ``torch.rms_norm`` of the fp32 groups is the spec's mean-square
 # normalisation op for op (bit-identical, NaN and overflow included; tests/test_cpu_path.py), one
-# call where the spec makes five; at decode sizes (where the compiled reference's call costs more
-# than the arithmetic) the spec then runs eagerly in fewer calls than the HF module makes.
-
-#: Elements (bucketed rows x hidden) up to which the native path runs when the reference is compiled;
-#: beyond, the compiled reference (one fused pass) is faster (measured: 16 x 8192 bf16, 330 us native against 85 us).
-NATIVE_MAX_ELEMENTS = 32768
+# call where the spec makes five, for engines that run the reference eagerly (the vLLM plugin's
+# ``native`` mode). Not while the reference is compiled: the lean compiled reference, one fused
+# pass, took 15 us where this took 35 at 1 x 8192 bf16, and 7 against 24 at 1 x 128.
 
 
 def _rms_norm_normalise(groups: Tensor, eps: float) -> Tensor:
@@ -115,7 +113,7 @@ def _rms_norm_normalise(groups: Tensor, eps: float) -> Tensor:
 
 
 def _native(key: "GatedKey") -> Optional[Callable[..., Tensor]]:
-    if key.device != "cpu" or key.tokens * key.hidden > NATIVE_MAX_ELEMENTS and compile_reference_enabled():
+    if key.device != "cpu" or compile_reference_enabled():
         return None
 
     def native(x: Tensor, gate: Optional[Tensor], weight: Optional[Tensor], eps: float, order: str,
@@ -266,10 +264,8 @@ gated_rms_norm_op = Op(
         "helion", _build, interpreters=frozenset({"triton", "helion"}), accepts=_helion_accepts,
         kernel=kernels.GATED_RMS_NORM, tuning_key=_tuning_key, available=helion_available,
     )],
-    # Not the lean path: traced by make_fx, Inductor keeps ``weight * normed`` in fp32 where the
-    # product then meets the fp32 gate, so a quarter of bf16 results would round unlike the HF
-    # module's (tests/test_compiled_reference.py); torch.compile's graph keeps that rounding.
     example_inputs=_example, differentiable=True, fusable=True, native=_native,
+    compiled_reference=lean_compiled_reference,
 )
 
 

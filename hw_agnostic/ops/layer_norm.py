@@ -42,7 +42,7 @@ from ..autotune.keys import token_bucket
 from ..kernels import layer_norm as kernels
 from ..kernels.runtime import helion_available
 from . import checks
-from .compiled_reference import CompiledReference
+from .compiled_reference import lean_compiled_reference
 from .registry import Op, Provider, compile_reference_enabled
 from .rms_norm import MAX_KERNEL_HIDDEN, CompiledAddThenNormalise, check_inplace_buffers
 
@@ -271,20 +271,6 @@ def _native(form: str) -> object:
 
 
 # --------------------------------------------------------------------------------------------
-# the compiled reference: the lean path (no Dynamo guards per call, see .compiled_reference) for
-# every numerics but Chameleon's, whose bf16 product and sum the lean trace leaves unrounded (a
-# quarter of the elements one step off; tests/test_compiled_reference.py): torch.compile there.
-
-
-def _lean_numerics(args: tuple) -> bool:
-    return args[-1] != "cast_then_affine"
-
-
-def _compiled_reference(name: str, reference: object) -> CompiledReference:
-    return CompiledReference(name, reference, lean=_lean_numerics)
-
-
-# --------------------------------------------------------------------------------------------
 # the Helion provider
 
 
@@ -421,7 +407,7 @@ layer_norm_op = Op(
     "layer_norm", layer_norm_reference, check=check_layer_norm, key=layer_norm_key,
     providers=[_helion(_build_layer_norm, kernels.LAYER_NORM, _layer_norm_tuning_key)],
     example_inputs=_example_layer_norm, native=_native("norm"), differentiable=True, fusable=True,
-    compiled_reference=_compiled_reference,
+    compiled_reference=lean_compiled_reference,
 )
 fused_add_layer_norm_op = Op(
     "fused_add_layer_norm", fused_add_layer_norm_reference, check=check_fused_add_layer_norm,
@@ -429,7 +415,7 @@ fused_add_layer_norm_op = Op(
     providers=[_helion(lambda k, c, a: _build_fused(k, c, a, inplace=False), kernels.FUSED_ADD_LAYER_NORM,
                        _fused_tuning_key)],
     example_inputs=_example_fused, native=_native("add"), differentiable=True, fusable=True,
-    compiled_reference=_compiled_reference,
+    compiled_reference=lean_compiled_reference,
 )
 fused_add_layer_norm_inplace_op = Op(
     "fused_add_layer_norm_", fused_add_layer_norm_inplace_reference, check=check_fused_add_layer_norm_inplace,
@@ -437,7 +423,7 @@ fused_add_layer_norm_inplace_op = Op(
     providers=[_helion(lambda k, c, a: _build_fused(k, c, a, inplace=True), kernels.FUSED_ADD_LAYER_NORM,
                        _fused_tuning_key)],
     mutates_args=("x", "residual"), example_inputs=_example_fused,
-    compiled_reference=lambda name, reference: CompiledAddThenNormalise(name, _normalise_into, lean=_lean_numerics),
+    compiled_reference=lambda name, reference: CompiledAddThenNormalise(name, _normalise_into, lean=True),
     native=_native("add_inplace"),
 )
 
