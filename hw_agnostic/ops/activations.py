@@ -19,7 +19,7 @@ from ..autotune.keys import token_bucket
 from ..kernels import activations as kernels
 from ..kernels.runtime import helion_available
 from . import checks
-from .compiled_reference import CompiledReference
+from .compiled_reference import SINGLE_THREAD_ELEMENTS, CompiledReference
 from .registry import Op, Provider
 
 GELU_APPROXIMATIONS = ("none", "tanh")
@@ -48,14 +48,16 @@ def swiglu_oai_reference(x: Tensor, alpha: float, limit: float, interleaved: boo
 
 
 # --------------------------------------------------------------------------------------------
-# what the reference provider runs (CPU). 16-bit rows of the sigmoid-gated ops: the lean compiled
-# reference, one fused pass that rounds each intermediate as eager does (so bit-identical; the
-# tests check): 1.2-1.5x the eager chain below at 4096 rows, as fast at decode sizes. Everything
-# else: the references' own ATen kernels, in the same order, with every intermediate after the
-# first written in place, so bit-identical too while only the result is allocated (a fresh output
-# costs page faults per 4 KiB at large sizes and an allocator call at decode sizes). Inductor's
-# erf and tanh round differently from ATen's (GELU, in 16 bits too), and in fp32 its fused
-# products differ by an ulp from eager's.
+# what the reference provider runs (CPU). Decode-size 16-bit rows of the sigmoid-gated ops (up to
+# SINGLE_THREAD_ELEMENTS): the lean compiled reference, one single-threaded fused call that rounds
+# each intermediate as eager does (so bit-identical; the tests check) where the chain below makes
+# up to seven calls: swiglu_oai at 1 x 2880 bf16 took 16 us against 26. Everything else: the
+# references' own ATen kernels, in the same order, with every intermediate after the first written
+# in place, so bit-identical too while only the result is allocated (a fresh output costs page
+# faults per 4 KiB at large sizes and an allocator call at decode sizes). Larger rows stay on the
+# chain: the fused pass ran swiglu_oai's interleaved halves 1.2x slower at 256 and 4096 rows, and
+# silu_and_mul 1.1x slower at 256. Inductor's erf and tanh round differently from ATen's (GELU,
+# in 16 bits too), and in fp32 its fused products differ by an ulp from eager's.
 
 
 def _silu_and_mul_lean(x: Tensor) -> Tensor:
@@ -83,15 +85,16 @@ _FUSED_OPS = frozenset({"silu_and_mul", "swiglu_oai"})
 
 
 class _ReferenceActivation:
-    """The lean compiled reference for contiguous 16-bit CPU rows of the sigmoid-gated ops, else the
-    eager chain (see above)."""
+    """The lean compiled reference for contiguous decode-size 16-bit CPU rows of the sigmoid-gated
+    ops, else the eager chain (see above)."""
 
     def __init__(self, op_name: str, reference: object) -> None:
         self.fused = CompiledReference(op_name, reference, lean=True) if op_name in _FUSED_OPS else None
         self.chain = _LEAN[op_name]
 
     def __call__(self, x: Tensor, *options: object) -> Tensor:
-        if self.fused is not None and x.dtype in _FUSED_DTYPES and x.is_cpu and x.is_contiguous():
+        if (self.fused is not None and x.dtype in _FUSED_DTYPES and x.numel() <= SINGLE_THREAD_ELEMENTS
+                and x.is_cpu and x.is_contiguous()):
             return self.fused(x, *options)
         return self.chain(x, *options)
 

@@ -11,9 +11,12 @@ the eager reference does to the input dtype is done too, see :func:`_round_like_
 still differ is the order of a reduction's additions), and called straight
 through the ``call`` function Inductor generates. ``torch.compile`` would put Dynamo's guards
 and AOTAutograd's wrappers in front of every call: about 8 µs, more than a decode-size norm
-takes. Calls of up to 64K elements run a single-threaded compile: an OpenMP region costs
+takes. Calls of up to 32K elements run a single-threaded compile: an OpenMP region costs
 microseconds on an idle machine and a scheduler quantum (milliseconds) on a loaded one, and a
-decode-size row has nothing to share.
+decode-size row has nothing to share. Above that, where ATen splits an element-wise op across its
+threads too, so does the compiled code: 16 x 4096 fp32 rows took 15 us on two threads against 23
+on one, and a single thread after an eager add that ATen had split (the in-place fused norm)
+read half the rows from the other core's cache: 63 us against 25.
 
 The lean path checks no guards at run time, so a reference whose trace specialises on a size
 (a Python ``int()`` of one, a branch on one) would silently compute garbage for other sizes:
@@ -33,9 +36,9 @@ import torch
 
 log = logging.getLogger("hw_agnostic.ops")
 
-#: Calls whose first tensor has up to this many elements run a single-threaded compile on the CPU
-#: (16 rows of 4096: a few microseconds of work, less than an OpenMP region's start and join).
-SINGLE_THREAD_ELEMENTS = 1 << 16
+#: Calls whose first tensor has up to this many elements run a single-threaded compile on the CPU:
+#: ATen's grain (``at::internal::GRAIN_SIZE``), up to which its element-wise ops stay on one thread.
+SINGLE_THREAD_ELEMENTS = 1 << 15
 
 
 class _Constant:
@@ -48,11 +51,9 @@ _CONSTANT = _Constant()
 class CompiledReference:
     """The reference under torch.compile, or the lean path (see the module docstring); eager on failure."""
 
-    def __init__(self, op_name: str, reference: Callable[..., Any], *,
-                 lean: bool | Callable[[tuple[Any, ...]], bool] = False) -> None:
+    def __init__(self, op_name: str, reference: Callable[..., Any], *, lean: bool = False) -> None:
         self.op_name = op_name
         self.reference = reference
-        # A rule over the call's arguments where only some specialisations may take the lean path.
         self.use_lean = lean
         self.lean: dict[tuple[Any, ...], _LeanGraph | None] = {}
         self._dynamo: dict[tuple[Any, ...], Callable[..., Any]] = {}
@@ -77,7 +78,7 @@ class CompiledReference:
                     return self.reference(*args)
                 if elements is None:
                     elements = arg.numel()
-        if contiguous and self._takes_lean(args):
+        if contiguous and self.use_lean:
             small = elements is not None and elements <= SINGLE_THREAD_ELEMENTS
             graph = self.lean.get((small, signature), _MISSING)
             if graph is _MISSING:
@@ -88,9 +89,6 @@ class CompiledReference:
                 except AssertionError:  # a layout the graph was not traced for (Inductor checks strides)
                     pass
         return self._compiled(signature, args)
-
-    def _takes_lean(self, args: tuple[Any, ...]) -> bool:
-        return self.use_lean if isinstance(self.use_lean, bool) else bool(self.use_lean(args))
 
     def _compile_lean(self, args: tuple[Any, ...], threads: int | None) -> _LeanGraph | None:
         try:
