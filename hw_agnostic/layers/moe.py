@@ -16,6 +16,7 @@ modules, so a router's numerics are written once.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Optional
 
 import torch
@@ -58,9 +59,38 @@ class RoutingSpec:
 def router_logits(spec: RoutingSpec, hidden: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """The router's linear layer, cast as the family casts it."""
     if spec.logits == "fp32_inputs":
-        return F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+        return F.linear(hidden.float(), _as_fp32(weight), None if bias is None else _as_fp32(bias))
     logits = F.linear(hidden, weight, bias)
     return logits.float() if spec.logits == "fp32_outputs" else logits
+
+
+#: fp32 copies of 16-bit router parameters, by ``id``: ``(parameter ref, data_ptr, version, copy)``;
+#: an entry leaves with its parameter (a tensor cannot key a weak dictionary: ``==`` is element-wise).
+_fp32_copies: dict[int, tuple[weakref.ref, int, int, Tensor]] = {}
+
+
+def _as_fp32(parameter: Tensor) -> Tensor:
+    """``parameter.float()``, kept between calls while the parameter holds the same values.
+
+    DeepSeek-V3's router multiplies fp32 copies of its inputs, and casting its ``[E, H]`` weight
+    on every call was most of a decode-size routing (32 x 7168 bf16: 0.9 MB written per call). The
+    copy is kept (memory: twice the weight's bytes, not saved with the model) and made again when
+    the parameter's memory or version counter changes (an in-place update, ``.data =``); not while
+    autograd records through it, while tracing, or for a tensor without a version counter (an
+    inference tensor).
+    """
+    if parameter.dtype == torch.float32 or torch.compiler.is_compiling() or (
+            parameter.requires_grad and torch.is_grad_enabled()) or parameter.is_inference():
+        return parameter.float()
+    key, place, version = id(parameter), parameter.data_ptr(), parameter._version
+    kept = _fp32_copies.get(key)
+    if kept is not None and kept[0]() is parameter and kept[1] == place and kept[2] == version:
+        return kept[3]
+    copy = parameter.detach().float()
+    if kept is None or kept[0]() is not parameter:
+        weakref.finalize(parameter, _fp32_copies.pop, key, None)
+    _fp32_copies[key] = (weakref.ref(parameter), place, version, copy)
+    return copy
 
 
 def route(

@@ -157,3 +157,33 @@ def test_a_rewired_model_runs_the_plugin(plugin):
         got, want = model(ids).logits, reference(ids).logits
     assert PluginNorm.calls > 0 and PluginMLP.calls == 2
     assert ((got - want).norm() / want.norm()).item() <= 1e-5
+
+
+def test_fp32_router_inputs_follow_every_change_of_the_weight():
+    """DeepSeek-V3-style routers multiply fp32 copies of 16-bit weights; the copy kept between calls
+    is made again after an in-place update or a ``.data`` swap, and training differentiates the
+    weight itself."""
+    from hw_agnostic.layers.moe import RoutingSpec, router_logits
+
+    spec = RoutingSpec(2, "sigmoid", logits="fp32_inputs")
+    weight = nn.Parameter(torch.randn(8, 16).bfloat16())
+    hidden = torch.randn(3, 16).bfloat16()
+
+    def expected():
+        return hidden.float() @ weight.detach().float().T
+
+    with torch.no_grad():
+        for change in (lambda: None, lambda: weight.mul_(2), lambda: setattr(weight, "data", torch.randn(8, 16).bfloat16())):
+            change()
+            for _ in range(2):  # the second call reads the kept copy
+                torch.testing.assert_close(router_logits(spec, hidden, weight), expected(), rtol=0, atol=0)
+    with torch.inference_mode():
+        torch.testing.assert_close(router_logits(spec, hidden, weight), expected(), rtol=0, atol=0)
+    router_logits(spec, hidden, weight).sum().backward()
+    assert weight.grad is not None and weight.grad.abs().sum() > 0
+    from hw_agnostic.layers import moe
+
+    key = id(weight)
+    assert key in moe._fp32_copies
+    del weight
+    assert key not in moe._fp32_copies  # the copy leaves with its parameter
