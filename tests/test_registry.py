@@ -227,3 +227,51 @@ def test_use_config_on_a_path_without_configs_warns_once(caplog):
     assert len(warnings) == 1
     assert "rms_norm runs the reference provider, which takes no config" in warnings[0]
     assert "helion: device 'cpu' is not supported" in warnings[0]
+
+
+class _Rows(NamedTuple):
+    device: str
+    tokens: int
+
+
+def _add_one_reference(x: torch.Tensor) -> None:
+    x.add_(1)
+
+
+def _build_add_one_behind_autograd(key, config, args):
+    def run(x):  # stores as a kernel makes them: through memory autograd does not see (.data)
+        x.data.add_(1)
+
+    return run
+
+
+ADD_ONE_OP = Op(
+    "test_add_one_", _add_one_reference, check=lambda x: None, key=lambda x: _Rows(x.device.type, x.shape[0]),
+    providers=[Provider("kernel_like", _build_add_one_behind_autograd, devices=frozenset({"cpu"}))],
+    mutates_args=("x",),
+)
+
+
+def test_an_inplace_ops_writes_bump_the_version_counters_of_what_it_wrote():
+    """A kernel's stores do not bump version counters as ATen's in-place ops do; dispatch does, so
+    autograd refuses a backward through a tensor saved before the op wrote it, as it would after
+    ``x.add_(1)``, instead of differentiating with the new values."""
+    weight = torch.ones(3, requires_grad=True)
+    x = torch.ones(3)
+    product = weight * x  # saves x for weight's gradient
+    version = x._version
+    ADD_ONE_OP(x)
+    assert torch.equal(x, torch.full((3,), 2.0)) and x._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        product.sum().backward()
+
+
+@pytest.mark.parametrize("inplace_op", ["fused_add_rms_norm_", "fused_add_layer_norm_", "write_kv_cache"])
+def test_every_provider_of_the_inplace_ops_bumps_what_they_write(inplace_op):
+    op = ops.get_op(inplace_op)
+    args = op.example_inputs(4, 64, torch.float32, "cpu")
+    written = [args[i] for i in op._mutated_positions]
+    before = [t._version for t in written]
+    with torch.no_grad():
+        op(*args)
+    assert all(t._version > v for t, v in zip(written, before))

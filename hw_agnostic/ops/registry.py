@@ -323,7 +323,17 @@ class Op:
         if _tracers:
             for record in _tracers:
                 record.append(plan)
-        return plan.run(*args)
+        if not self._mutated_positions:
+            return plan.run(*args)
+        result = plan.run(*args)
+        self._mark_written(args)
+        return result
+
+    def _mark_written(self, args: tuple[Any, ...]) -> None:
+        # A kernel's stores reach memory behind autograd's back (an ATen in-place op bumps the
+        # version counters itself): without the bump, a tensor autograd saved before this op
+        # wrote it would be used in backward as if unchanged, silently.
+        torch.autograd.graph.increment_version([args[i] for i in self._mutated_positions])
 
     def run_inside(self, caller: str, *args: Any) -> Any:
         """Run a call that a provider of op ``caller`` makes as one step of its own work.
@@ -346,7 +356,10 @@ class Op:
         plan.calls += 1
         for record in _tracers:
             record.append(plan)
-        return plan.run(*args)
+        result = plan.run(*args)
+        if self._mutated_positions:
+            self._mark_written(args)
+        return result
 
     def plan(self, *args: Any) -> Plan:
         """The plan a call with these arguments would run, without running it."""
