@@ -14,6 +14,8 @@ from hw_agnostic.autotune.keys import token_bucket
 from hw_agnostic.kernels.interpret import interpreter_mode
 from hw_agnostic.kernels.runtime import KernelSpec
 from hw_agnostic.ops.registry import PROVIDER_ENV, Op, Provider, ProviderError
+from tests.conftest import kernel_device
+from tests.harness import dsl_providers
 
 
 def _call(tokens: int = 3, hidden: int = 16):
@@ -266,12 +268,15 @@ def test_an_inplace_ops_writes_bump_the_version_counters_of_what_it_wrote():
         product.sum().backward()
 
 
+@pytest.mark.dsl
 @pytest.mark.parametrize("inplace_op", ["fused_add_rms_norm_", "fused_add_layer_norm_", "write_kv_cache"])
-def test_every_provider_of_the_inplace_ops_bumps_what_they_write(inplace_op):
+def test_the_kernels_of_the_inplace_ops_bump_what_they_write(inplace_op):
     op = ops.get_op(inplace_op)
-    args = op.example_inputs(4, 64, torch.float32, "cpu")
+    args = op.example_inputs(4, 64, torch.float32, str(kernel_device()))
     written = [args[i] for i in op._mutated_positions]
     before = [t._version for t in written]
-    with torch.no_grad():
+    (provider,) = dsl_providers(op)
+    with torch.no_grad(), ops.use_provider(provider, op), ops.trace_dispatch() as ran:
         op(*args)
+    assert [p.provider for p in ran] == [provider]
     assert all(t._version > v for t, v in zip(written, before))

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
 import os
@@ -219,27 +220,37 @@ class Op:
     # -- custom op ------------------------------------------------------------------------------
 
     def _register_custom_op(self) -> Any:
+        """``torch.ops.hw_agnostic.<name>``: defined and implemented on the library fragment directly.
+
+        ``torch.library.custom_op`` wraps every call in Python layers (its own autograd kernel,
+        an ADInplaceOrView kernel for mutated arguments, its backend wrapper): 10 µs over the
+        implementation for a functional op and 16 for an in-place one, on every call a compiled
+        graph (``torch.compile``, vLLM) makes. Here a call costs the dispatcher, one Python
+        autograd kernel (the reference's backward, or the refusal below) and the implementation,
+        which bumps the version counters of what it writes (see :meth:`dispatch`).
+        """
         schema = torch.library.infer_schema(self.reference, mutates_args=self.mutates_args)
+        qualname, lib = f"hw_agnostic::{self.name}", _library()
+        lib.define(f"{self.name}{schema}")
         dispatch = self.dispatch
 
         def implementation(*args: Any) -> Any:
             return dispatch(*args)
 
-        custom = torch.library.custom_op(
-            f"hw_agnostic::{self.name}", implementation, mutates_args=self.mutates_args, schema=schema
-        )
+        lib.impl(self.name, implementation, "CompositeExplicitAutograd")
         check, shapes = self.check, self.fake
 
         def fake(*args: Any) -> Any:
             check(*args)
             return shapes(*args)
 
-        custom.register_fake(fake)
-        if self.differentiable:
-            if self.mutates_args:
-                raise ValueError(f"op {self.name!r} mutates its arguments; it cannot be differentiable")
-            _register_reference_backward(custom, self.reference)
-        return getattr(torch.ops.hw_agnostic, self.name).default
+        torch.library.register_fake(qualname, fake, lib=lib)
+        overload = getattr(torch.ops.hw_agnostic, self.name).default
+        if self.differentiable and self.mutates_args:
+            raise ValueError(f"op {self.name!r} mutates its arguments; it cannot be differentiable")
+        backward = self.reference if self.differentiable else None
+        lib.impl(self.name, _autograd_kernel(overload, self.name, backward), "Autograd", with_keyset=True)
+        return overload
 
     def kernel_may_run(self, device: torch.device | str) -> bool:
         """Whether a provider other than the reference could run a call on ``device`` here (or one is forced)."""
@@ -559,25 +570,34 @@ def _placement(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(meeting)
 
 
-def _register_reference_backward(custom: Any, reference: Callable[..., Any]) -> None:
-    """The op's backward is the vector-Jacobian product of its reference, recomputed from the inputs.
+class _ReferenceVJP(torch.autograd.Function):
+    """The forward runs the op below autograd (its kernel); the backward is the vector-Jacobian
+    product of its reference, recomputed from the inputs.
 
     Until backward kernels exist this keeps training, gradient checkpointing and inputs that need
     gradients correct on every provider: the forward runs the kernel, the backward differentiates
     the specification.
     """
 
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        is_tensor = [isinstance(a, torch.Tensor) for a in inputs]
-        ctx.is_tensor = is_tensor
-        ctx.constants = [None if t else a for t, a in zip(is_tensor, inputs)]
-        ctx.save_for_backward(*(a for t, a in zip(is_tensor, inputs) if t))
+    @staticmethod
+    def forward(run: Callable[..., Any], reference: Callable[..., Any], *inputs: Any) -> Any:
+        return run(*inputs)
 
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.reference, args = inputs[1], inputs[2:]
+        is_tensor = [isinstance(a, torch.Tensor) for a in args]
+        ctx.is_tensor = is_tensor
+        ctx.constants = [None if t else a for t, a in zip(is_tensor, args)]
+        ctx.save_for_backward(*(a for t, a in zip(is_tensor, args) if t))
+
+    @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
         saved = iter(ctx.saved_tensors)
         inputs = [next(saved) if t else c for t, c in zip(ctx.is_tensor, ctx.constants)]
         positions = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                     and ctx.needs_input_grad[i]]
+                     and ctx.needs_input_grad[i + 2]]
+        reference = ctx.reference
 
         def differentiated(*tensors: torch.Tensor) -> Any:
             args = list(inputs)
@@ -591,9 +611,44 @@ def _register_reference_backward(custom: Any, reference: Callable[..., Any]) -> 
         result: list[Any] = [None] * len(inputs)
         for i, grad in zip(positions, found):
             result[i] = grad
-        return tuple(result)
+        return (None, None, *result)
 
-    custom.register_autograd(backward, setup_context=setup_context)
+
+class _NoDerivative(torch.autograd.Function):
+    """Outputs of an op without a derivative, computed from inputs that need gradients: backward
+    through them raises, naming the op, instead of passing no gradient on."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str, outputs: int, *tensors: torch.Tensor) -> Any:
+        ctx.name = name
+        return tuple(t.view_as(t) for t in tensors[:outputs])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise RuntimeError(f"hw_agnostic::{ctx.name} has no derivative: it cannot be differentiated (call it on "
+                           "inputs that do not require grad, or under torch.no_grad())")
+
+
+def _autograd_kernel(overload: Any, name: str, reference: Callable[..., Any] | None) -> Callable[..., Any]:
+    """The op's Autograd kernel: straight below autograd when no input needs a gradient; else the
+    reference's backward (differentiable ops, :class:`_ReferenceVJP`) or a backward that raises
+    (:class:`_NoDerivative`)."""
+    below = torch._C._after_autograd_keyset
+
+    def autograd_kernel(keyset: Any, *args: Any) -> Any:
+        if not torch.is_grad_enabled() or not _requires_grad(args):
+            return overload.redispatch(keyset & below, *args)
+        if reference is not None:
+            return _ReferenceVJP.apply(functools.partial(overload.redispatch, keyset & below), reference, *args)
+        result = overload.redispatch(keyset & below, *args)
+        if result is None:
+            return result
+        outputs = result if isinstance(result, tuple) else (result,)
+        inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        marked = _NoDerivative.apply(name, len(outputs), *outputs, *inputs)
+        return marked if isinstance(result, tuple) else marked[0]
+
+    return autograd_kernel
 
 
 def _requires_grad(args: tuple[Any, ...]) -> bool:
