@@ -69,3 +69,22 @@ def test_compiled_rms_norm_rounds_like_llama(compiled_reference):
         want = module(x)
         got = ops.rms_norm(x, module.weight, module.variance_epsilon)
     hf_norms.assert_same_rounding(got, want, share=0.0)
+
+
+@pytest.mark.skipif(registry.interpreter_mode() is not None, reason="checks the plain CPU path")
+def test_a_repeated_call_runs_the_lean_graph_without_its_per_call_checks(compiled_reference, monkeypatch):
+    """Dispatch binds the lean graph's entry to a call signature: a repeat skips the compiled
+    reference's checks (counted here) and gives its results; another layout decides afresh."""
+    from hw_agnostic.ops.compiled_reference import CompiledReference
+
+    x = torch.randn(3, 64, generator=seeded_generator("bound x")).to(torch.bfloat16)
+    weight = torch.randn(64, generator=seeded_generator("bound weight")).to(torch.bfloat16)
+    want = ops.get_op("rms_norm").reference(x, weight, 1e-6, "llama")
+    decided = []
+    original = CompiledReference.__call__
+    monkeypatch.setattr(CompiledReference, "__call__", lambda self, *a: decided.append(a) or original(self, *a))
+    with torch.no_grad():
+        results = [ops.rms_norm(x, weight) for _ in range(3)]
+        assert decided == [] and all(torch.equal(r, want) for r in results)
+        strided = torch.empty(3, 128, dtype=torch.bfloat16)[:, ::2].copy_(x)  # another layout: __call__ decides
+        assert torch.equal(ops.rms_norm(strided, weight), want) and len(decided) == 1

@@ -93,10 +93,17 @@ class _ReferenceActivation:
         self.chain = _LEAN[op_name]
 
     def __call__(self, x: Tensor, *options: object) -> Tensor:
-        if (self.fused is not None and x.dtype in _FUSED_DTYPES and x.numel() <= SINGLE_THREAD_ELEMENTS
-                and x.is_cpu and x.is_contiguous()):
+        if self._fuses(x):
             return self.fused(x, *options)
         return self.chain(x, *options)
+
+    def bind(self, args: tuple) -> object:
+        """See :meth:`CompiledReference.bind`: the fused pass's entry, or the chain itself."""
+        return self.fused.bind(args) if self._fuses(args[0]) else self.chain
+
+    def _fuses(self, x: Tensor) -> bool:
+        return (self.fused is not None and x.dtype in _FUSED_DTYPES and x.numel() <= SINGLE_THREAD_ELEMENTS
+                and x.is_cpu and x.is_contiguous())
 
 
 # --------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import operator
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -147,6 +148,12 @@ class Plan:
     calls: int = 0
     note: str | None = None
 
+    def bound(self, args: tuple[Any, ...]) -> Callable[..., Any]:
+        """What runs calls with exactly the metadata and non-tensor values of ``args``: ``run``'s
+        ``bind(args)`` where it has one (a run that decides per call, bound to its decision), else ``run``."""
+        bind = getattr(self.run, "bind", None)
+        return (bind(args) if bind is not None else None) or self.run
+
     def describe(self) -> str:
         parts = [f"{self.op}: {self.provider}"]
         if self.config is not None:
@@ -206,11 +213,14 @@ class Op:
         self._signature = call_signature.signature_function(reference)
         self._any_requires_grad = call_signature.requires_grad_function(reference)
         self._mutated_positions = tuple(names.index(name) for name in self.mutates_args)
+        # the written tensors of a call: one tensor, or a tuple of them (increment_version takes either)
+        self._written = operator.itemgetter(*self._mutated_positions) if self._mutated_positions else None
         self._placement = (call_signature.placement_function(reference, self.mutates_args, _placement)
                            if self.mutates_args else None)
         self.providers: tuple[Provider, ...] = (*providers, _reference_provider(self))
         self._plans: dict[Any, Plan] = {}
-        self._checked: dict[tuple[Any, ...], Plan] = {}  # call signature -> plan, see dispatch
+        # call signature -> (plan, what runs it), see dispatch
+        self._checked: dict[tuple[Any, ...], tuple[Plan, Callable[..., Any]]] = {}
         # Plans of calls made inside another op under that op's forcing (see run_inside).
         self._inherited_plans: dict[tuple[str, Any], Plan] = {}
         self.torch_op = self._register_custom_op()
@@ -316,27 +326,31 @@ class Op:
             signature = self._signature(*args)
             if self._placement is not None:  # the in-place checks compare where the tensors lie
                 signature = (signature, self._placement(*args))
-            plan = self._checked.get(signature)
+            checked = self._checked.get(signature)
         except (TypeError, AttributeError, RuntimeError, NotImplementedError):
             # unfit arguments (check names them), unhashable ones, a tensor without storage: no shortcut
-            signature, plan = None, None
-        if plan is None:
+            signature, checked = None, None
+        if checked is None:
             self.check(*args)
             key = self.key(*args)
             plan = self._plans.get(key)
             if plan is None:
                 plan = self._make_plan(key, args)
+            run = plan.run
             if signature is not None:
+                run = plan.bound(args)
                 if len(self._checked) >= CHECKED_SIGNATURES:
                     self._checked.clear()
-                self._checked[signature] = plan
+                self._checked[signature] = (plan, run)
+        else:
+            plan, run = checked
         plan.calls += 1
         if _tracers:
             for record in _tracers:
                 record.append(plan)
         if not self._mutated_positions:
-            return plan.run(*args)
-        result = plan.run(*args)
+            return run(*args)
+        result = run(*args)
         self._mark_written(args)
         return result
 
@@ -344,7 +358,7 @@ class Op:
         # A kernel's stores reach memory behind autograd's back (an ATen in-place op bumps the
         # version counters itself): without the bump, a tensor autograd saved before this op
         # wrote it would be used in backward as if unchanged, silently.
-        torch.autograd.graph.increment_version([args[i] for i in self._mutated_positions])
+        torch.autograd.graph.increment_version(self._written(args))
 
     def run_inside(self, caller: str, *args: Any) -> Any:
         """Run a call that a provider of op ``caller`` makes as one step of its own work.
