@@ -234,7 +234,7 @@ class Op:
 
         ``torch.library.custom_op`` wraps every call in Python layers (its own autograd kernel,
         an ADInplaceOrView kernel for mutated arguments, its backend wrapper): 10 µs over the
-        implementation for a functional op and 16 for an in-place one, on every call a compiled
+        implementation for a functional op and 22 for an in-place one, on every call a compiled
         graph (``torch.compile``, vLLM) makes. Here a call costs the dispatcher, one Python
         autograd kernel (the reference's backward, or the refusal below) and the implementation,
         which bumps the version counters of what it writes (see :meth:`dispatch`).
