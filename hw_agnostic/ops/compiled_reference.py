@@ -73,7 +73,7 @@ class CompiledReference:
             return self.reference(*args)
         if graph is not None:
             try:
-                return graph(args)
+                return graph.run(*args)
             except AssertionError:  # a layout the graph was not traced for (Inductor checks strides)
                 pass
         return self._compiled(signature, args)
@@ -88,16 +88,13 @@ class CompiledReference:
         graph = self._lean_graph(_signature(args), args)
         if graph is None or graph is _EMPTY:
             return None
-        call, positions, returned = graph.call, graph.positions, graph.returned
+        entry = graph.run
 
         def run(*args: Any) -> Any:
             try:
-                results = call([args[i] for i in positions])
-            except AssertionError:
+                return entry(*args)
+            except AssertionError:  # as in __call__, which then takes the call elsewhere
                 return self(*args)
-            if returned == "tensor":
-                return results[0]
-            return tuple(results) if returned == "tuple" else None
 
         return run
 
@@ -200,21 +197,25 @@ class _LeanGraph:
             options["cpp.threads"] = threads
         with inductor_config.patch(options):
             compiled = compile_fx_inner(traced, fakes)
-        self.call = compiled.current_callable
         self.threads = threads
-        self.positions = positions
-        self.returned = returned[0]
         graph_inputs = len(fakes)
         if graph_inputs != len(positions):
             raise RuntimeError(f"traced {graph_inputs} inputs for {len(positions)} tensor arguments")
+        self.run = _entry(compiled.current_callable, positions, returned[0])
 
-    def __call__(self, args: tuple[Any, ...]) -> Any:
-        results = self.call([args[i] for i in self.positions])
-        if self.returned == "tensor":
-            return results[0]
-        if self.returned == "tuple":
-            return tuple(results)
-        return None
+
+def _entry(call: Callable[[list[torch.Tensor]], Any], positions: list[int], returned: str) -> Callable[..., Any]:
+    """The reference's calling convention over Inductor's ``call`` (a list of the tensor arguments in,
+    a list of results out)."""
+    if returned == "tensor":
+        return lambda *args: call([args[i] for i in positions])[0]
+    if returned == "tuple":
+        return lambda *args: tuple(call([args[i] for i in positions]))
+
+    def run(*args: Any) -> None:
+        call([args[i] for i in positions])
+
+    return run
 
 
 #: Dtypes whose pointwise results eager PyTorch computes in fp32 and rounds to when it stores them.
