@@ -102,6 +102,14 @@ def paged_attention_forward(
         batch = batch.page(key, value, real_tokens(batch.attention_mask, key.shape[2]))
     if batch is None:
         return _fallback(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    return attend_paged(module, state, batch, query, key, value, attention_mask, scaling, dropout, kwargs)
+
+
+def attend_paged(module: nn.Module, state: Any, batch: PagedBatch, query: Tensor, key: Tensor, value: Tensor,
+                 attention_mask: Optional[Tensor], scaling: Optional[float], dropout: float,
+                 kwargs: dict[str, Any]) -> tuple[Tensor, Any]:
+    """The attention function's work once the step is in the pages: ``paged_attention`` over ``batch``
+    (the module's own attention for a mask the kernel does not read)."""
     why = _mask_refusal(batch, attention_mask, query.shape[2], kwargs.get("sliding_window"))
     if why is not None:
         return _own_attention_instead(module, state, batch, why, query, key, value, attention_mask, scaling=scaling,
@@ -503,6 +511,18 @@ def paged_layer_of(cache: Any, index: int, block_size: int, windowed: bool = Tru
     return paged
 
 
+def store_step(state: Any, paged: PagedCacheLayer, key_states: Tensor, value_states: Tensor,
+               mask: Any) -> PagedBatch:
+    """Write a step ``[B, Hkv, q, D]`` into ``paged``, its padding read from ``mask``."""
+    past, q_len = paged.get_seq_length(), key_states.shape[2]
+    if state.unservable is not None or mask is None:  # no padding to read; or its masks are not the
+        real = None  # kernel's: its own attention, every token kept
+    else:
+        # the mask is the caller's, who may refill it in place: keyed on its version too
+        real = paged.share.once(("real", mask, q_len, past), lambda: real_tokens(mask, q_len, past), versioned=True)
+    return paged.append(key_states, value_states, real)
+
+
 class _StoreBinding:
     """What a paged module writes through when the cache is a transformers ``Cache`` (or None).
 
@@ -527,13 +547,7 @@ class _StoreBinding:
                 extra["kwargs"] = kwargs
             return self.cache.update(key_states, value_states, layer_idx, *args, **extra)
         state = self.layer.__dict__[_STATE]
-        past, q_len, mask = paged.get_seq_length(), key_states.shape[2], self.attention_mask
-        if state.unservable is not None:  # its masks are not the kernel's: its own attention, every token kept
-            real = None
-        else:
-            # the mask is the caller's, who may refill it in place: keyed on its version too
-            real = paged.share.once(("real", mask, q_len, past), lambda: real_tokens(mask, q_len, past), versioned=True)
-        batch = paged.append(key_states, value_states, real)
+        batch = store_step(state, paged, key_states, value_states, self.attention_mask)
         if index == own:
             state.kv = paged.store
         if self.fallback or state.unservable is not None:
@@ -708,6 +722,8 @@ def paging_changes(model: nn.Module, *, block_size: int = 16) -> tuple[list[Chan
 
     Returns the changes (applied) and the attention-like modules left, ``(path, module, reason)``.
     """
+    from .attention_direct import direct_path_for
+
     register_attention_function()
     layer_class = resolve("paged_attention")
     changes: list[Change] = []
@@ -737,9 +753,12 @@ def paging_changes(model: nn.Module, *, block_size: int = 16) -> tuple[list[Chan
         original = type(module).__name__
 
         strictness = Strictness()
+        direct = direct_path_for(type(module))
 
-        def apply(module: nn.Module = module, config: Any = config, strictness: Strictness = strictness) -> None:
-            layer_class.adopt(module, bind_cache=bind_cache, attention_config=config, block_size=block_size)
+        def apply(module: nn.Module = module, config: Any = config, strictness: Strictness = strictness,
+                  direct: Any = direct) -> None:
+            layer_class.adopt(module, bind_cache=bind_cache, attention_config=config, block_size=block_size,
+                              direct=direct)
             module.__dict__[_STRICTNESS] = strictness
 
         def undo(module: nn.Module = module) -> None:
@@ -748,7 +767,9 @@ def paging_changes(model: nn.Module, *, block_size: int = 16) -> tuple[list[Chan
 
         apply()
         changes.append(StrictUntilReleased("attention", path, original, layer_class.__name__,
-                                           "K/V in a paged cache: write_kv_cache + paged_attention", apply, undo,
+                                           "K/V in a paged cache: write_kv_cache + paged_attention"
+                                           + ("; its forward recognised, unmasked calls made directly" if direct else ""),
+                                           apply, undo,
                                            holder=strictness))
     if changes:
         _install_pages_first(model)

@@ -392,6 +392,9 @@ class _PagedState:
     # Why the kernel cannot serve this module (its masks are not causal ones), once seen: from
     # then on it runs its own attention over the K/V its pages hold.
     unservable: Optional[str] = None
+    # ``direct(module, arguments)``: what the module's forward returns for the call, computed
+    # without running it, or NotImplemented (see hw_agnostic.backend.attention_direct)
+    direct: Optional[Callable[[nn.Module, dict[str, Any]], Any]] = None
 
     def __post_init__(self) -> None:
         self.cache_names = tuple(dict.fromkeys((*_CACHE_NAMES, self.cache_name)))
@@ -438,15 +441,16 @@ class PagedAttention(PluggableLayer):
 
     @classmethod
     def adopt(cls, module: nn.Module, *, bind_cache: CacheBinding, attention_config: Any,
-              block_size: int = 16) -> nn.Module:
-        """Make ``module`` a paged attention layer in place (``cls`` resolved through the registry)."""
+              block_size: int = 16, direct: Optional[Callable[[nn.Module, dict[str, Any]], Any]] = None) -> nn.Module:
+        """Make ``module`` a paged attention layer in place (``cls`` resolved through the registry);
+        ``direct``: its direct path, for calls whose result it computes without the forward."""
         if isinstance(module, PagedAttention):
             raise ValueError(f"{type(module).__name__} is paged already")
         layer = resolve("paged_attention")
         base = type(module)
         positional, cache_name, passes_window = _call_shape(base.forward)
         module.__dict__[_STATE] = _PagedState(bind_cache, attention_config, module.config, block_size, positional,
-                                              cache_name, passes_window, base_forward=base.forward)
+                                              cache_name, passes_window, base_forward=base.forward, direct=direct)
         module.__class__ = _paged_class(layer, base)
         module.config = attention_config
         return module
@@ -506,6 +510,10 @@ class PagedAttention(PluggableLayer):
             arguments.update(kwargs)
         else:
             arguments = kwargs
+        if state.direct is not None:
+            result = state.direct(self, arguments)
+            if result is not NotImplemented:
+                return result
         cache = None
         for name in state.cache_names:
             if name in arguments:

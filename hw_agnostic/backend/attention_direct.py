@@ -1,0 +1,300 @@
+"""The direct path of paged attention modules whose forward is the common Hugging Face one.
+
+About forty decoder families (Llama, Gemma, Granite, GLM-4, Helium, Ernie-4.5, Qwen2-MoE, ...,
+and with the sliding window or softcap they pass their attention function, Mistral, Mixtral,
+Qwen2, Gemma-2) share one attention forward, statement for statement:
+
+    split q / k / v into heads; apply_rotary_pos_emb(q, k, cos, sin);
+    cache.update(k, v, self.layer_idx, ...); attention_interface(self, q, k, v, attention_mask,
+    scaling=self.scaling, [dropout=..., sliding_window=..., softcap=...], **kwargs);
+    merge the heads; o_proj.
+
+A paged module (:class:`~hw_agnostic.layers.PagedAttention`) runs that forward with its cache bound
+to a paged view and its attention function dispatched by name: three projection-part calls, the
+``kernels`` package's wrapper, a binding object and the attention function's checks cost 57 µs of
+host Python per layer of a decode step (the decode-host bench: 225 against 282 µs per layer on a
+2-core EPYC, six layers against two), on every device, before a kernel runs.
+
+For a module whose class forward *is* that code (its syntax tree equal to :data:`_TEMPLATE`'s,
+statement by statement, once the cache parameter's name is unified, annotations dropped and the
+attention call's ``dropout``, ``sliding_window`` and ``softcap`` keywords set aside),
+:func:`direct_forward` makes the same calls itself: the merged q/k/v projection's forward once
+(what its parts call), the forward's own ``apply_rotary_pos_emb`` (the rotary router where that
+change stands), the step's write into the paged view and the attention function's work
+(:func:`~hw_agnostic.backend.attention.store_step` and
+:func:`~hw_agnostic.backend.attention.attend_paged`, which the general path runs too: padding read
+from the mask, the mask checked against the kernel's), with the window and softcap the forward's
+keywords evaluate to, then ``o_proj``. The tests run both paths on the recognised families and
+compare them bit for bit.
+
+A call takes the direct path only where the forward would run exactly those operations; any
+other call returns ``NotImplemented`` and the module's forward runs as before:
+
+* a call that must run the module's own attention (training, gradients, recorded attention
+  weights), or a module whose masks the kernel has found it cannot serve;
+* no cache, or a cache that is not a plain transformers ``Cache`` with a paged view for the
+  module's layer (continuous batching, encoder-decoder caches, offloading);
+* ``sliding_window`` / ``softcap`` / ``s_aux`` among the call's keywords (the forward passes them on);
+* q/k/v that are not the parts of the module's merged projection (verification undid the merge),
+  forward hooks on those parts or global module hooks (the parts' calls are not made), a config
+  that no longer names the paged attention function, a forward other than the recognised one's
+  code (a change or a patch replaced it), or a rotary function a ``kernels.kernelize`` call mapped.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+import types
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules import module as nn_module
+
+from ..layers.attention import _CACHE_NAMES, _STATE
+from ..layers.qkv import QKVPart, QKVProjection
+from .attention import (
+    ATTENTION_NAME, _cache_classes, attend_paged, paged_attention_forward, paged_layer_of, store_step,
+)
+
+#: the attention call's keywords the direct path evaluates; ``dropout`` is set aside (no call in
+#: training takes the direct path), any other keyword leaves the forward unrecognised
+_FORWARDED = ("sliding_window", "softcap")
+#: keywords of a call that the forward would pass on to the attention function, which reads them
+_PASSED_ON = ("sliding_window", "softcap", "s_aux")
+#: a call's arguments the forward takes by name (the rest reach the attention function as ``**kwargs``)
+_NOT_PASSED_ON = frozenset({"hidden_states", "position_embeddings", "attention_mask", *_CACHE_NAMES})
+
+_TEMPLATE = '''
+def forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs):
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+    if cache is not None:
+        key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                eager_attention_forward)
+    attn_output, attn_weights = attention_interface(self, query_states, key_states, value_states, attention_mask,
+                                                    scaling=self.scaling, **kwargs)
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    attn_output = self.o_proj(attn_output)
+    return attn_output, attn_weights
+'''
+
+
+@dataclasses.dataclass(frozen=True)
+class Recognised:
+    """A class forward recognised as the template: its code, and its forwarded keywords as functions of ``self``."""
+
+    code: types.CodeType
+    forwarded: tuple[tuple[str, Callable[[nn.Module], Any]], ...]
+
+
+class _Unify(ast.NodeTransformer):
+    """The cache parameter named ``cache``, annotated assignments plain, the attention call's
+    optional keywords taken out (into :attr:`forwarded`)."""
+
+    def __init__(self, cache_name: str) -> None:
+        self.cache_name = cache_name
+        self.forwarded: dict[str, ast.expr] = {}
+
+    def visit_Name(self, node: ast.Name) -> ast.Name:
+        return ast.Name(id="cache", ctx=node.ctx) if node.id == self.cache_name else node
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> ast.AST:
+        if node.value is None or not node.simple:
+            return node
+        return self.generic_visit(ast.Assign(targets=[node.target], value=node.value))
+
+    def visit_Call(self, node: ast.Call) -> ast.Call:
+        self.generic_visit(node)
+        if isinstance(node.func, ast.Name) and node.func.id == "attention_interface":
+            kept = []
+            for keyword in node.keywords:
+                if keyword.arg == "dropout":
+                    continue
+                if keyword.arg in _FORWARDED:
+                    self.forwarded[keyword.arg] = keyword.value
+                    continue
+                kept.append(keyword)
+            node.keywords = kept
+        return node
+
+
+def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.expr]]]:
+    """The unified statements of ``function`` (see :class:`_Unify`) and its forwarded keywords;
+    None when its parameters are not the template's."""
+    args = function.args
+    names = [a.arg for a in args.args]
+    if (args.vararg or args.kwonlyargs or args.posonlyargs or args.kwarg is None or len(names) != 5
+            or names[:4] != ["self", "hidden_states", "position_embeddings", "attention_mask"]
+            or names[4] not in _CACHE_NAMES):
+        return None
+    statements = function.body
+    if statements and isinstance(statements[0], ast.Expr) and isinstance(statements[0].value, ast.Constant):
+        statements = statements[1:]  # the docstring
+    unify = _Unify(names[4])
+    dumps = [ast.dump(unify.visit(statement)) for statement in statements]
+    return dumps, unify.forwarded
+
+
+@functools.lru_cache(maxsize=1)
+def _template() -> list[str]:
+    parsed = _body(ast.parse(_TEMPLATE).body[0])  # type: ignore[arg-type]
+    assert parsed is not None
+    return parsed[0]
+
+
+@functools.lru_cache(maxsize=None)
+def recognise(cls: type) -> Optional[Recognised]:
+    """``cls.forward`` as :class:`Recognised` when it is the template's code, else None."""
+    inner = inspect.unwrap(cls.forward)
+    if not isinstance(inner, types.FunctionType):
+        return None
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inner)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    function = tree.body[0] if tree.body else None
+    if not isinstance(function, ast.FunctionDef):
+        return None
+    parsed = _body(function)
+    if parsed is None or parsed[0] != _template():
+        return None
+    local = {a.arg for a in function.args.args} | {function.args.kwarg.arg} | {
+        n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    forwarded = []
+    for name, expression in parsed[1].items():
+        if any(isinstance(n, ast.Name) and n.id in local - {"self"} for n in ast.walk(expression)):
+            return None  # evaluated apart from the forward's frame: ``self`` and globals only
+        source = ast.Expression(body=ast.Lambda(args=ast.arguments(
+            posonlyargs=[], args=[ast.arg(arg="self")], kwonlyargs=[], kw_defaults=[], defaults=[]), body=expression))
+        ast.fix_missing_locations(source)
+        forwarded.append((name, eval(compile(source, inspect.getsourcefile(inner) or "<forward>", "eval"),  # noqa: S307
+                                     inner.__globals__)))
+    return Recognised(inner.__code__, tuple(forwarded))
+
+
+# --------------------------------------------------------------------------------------------
+# the call
+
+
+def _no_global_hooks() -> bool:
+    return not (nn_module._global_forward_pre_hooks or nn_module._global_forward_hooks
+                or nn_module._global_backward_pre_hooks or nn_module._global_backward_hooks)
+
+
+def _merged_projection(children: dict[str, Optional[nn.Module]]) -> Optional[QKVProjection]:
+    """The merged projection whose parts q/k/v are, hook-free (None: they are not)."""
+    qkv = children.get("qkv_proj")
+    if not isinstance(qkv, QKVProjection) or len(qkv.sizes) != 3:
+        return None
+    for index, name in enumerate(("q_proj", "k_proj", "v_proj")):
+        part = children.get(name)
+        if (type(part) is not QKVPart or part._projection is not qkv or part.index != index
+                or part._forward_hooks or part._forward_pre_hooks):
+            return None
+    return qkv
+
+
+@functools.lru_cache(maxsize=64)
+def _namespace(forward: Callable[..., Any], code: types.CodeType) -> Optional[dict[str, Any]]:
+    """The globals ``forward`` (a paged module's, maybe its rotary-routed copy) resolves names in,
+    when it runs the recognised ``code``."""
+    # The first function down the chain of wrappers that runs that code: a rotary-routed copy
+    # names its original as ``__wrapped__`` (functools.update_wrapper), so unwrapping to the end
+    # would reach the modeling module's globals, not the copy's.
+    inner: Any = forward
+    while getattr(inner, "__code__", None) is not code:
+        inner = getattr(inner, "__wrapped__", None)
+        if inner is None:
+            return None
+    return inner.__globals__
+
+
+def _mapped_kernel(module: nn.Module) -> bool:
+    """Whether ``kernels.kernelize`` mapped a hub kernel onto one of the module's functions (the
+    ``kernels`` wrapper of its forward would route the rotary function to it)."""
+    funcs = module.__dict__.get("_kernel_funcs")
+    return bool(funcs) and any("forward" in vars(func) for func in funcs.values())
+
+
+@functools.lru_cache(maxsize=1)
+def _attention_functions() -> Any:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS
+
+
+@functools.lru_cache(maxsize=1)
+def _attn_implementation_property() -> Any:
+    from transformers import PretrainedConfig
+
+    return vars(PretrainedConfig)["_attn_implementation"]
+
+
+def _names_paged_attention(config: Any) -> bool:
+    """Whether the module's config dispatches its attention function to ``paged_attention_forward``
+    (read past transformers' config ``__getattribute__``, 3.5 µs a call, where the property is the
+    plain one)."""
+    if not torch.compiler.is_compiling() and (
+            getattr(type(config), "_attn_implementation", None) is _attn_implementation_property()):
+        name = object.__getattribute__(config, "__dict__").get("_attn_implementation_internal")
+    else:
+        name = config._attn_implementation
+    return name == ATTENTION_NAME and _attention_functions().get(ATTENTION_NAME) is paged_attention_forward
+
+
+def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[str, Any]) -> Any:
+    """What ``module``'s forward returns for ``arguments``, computed directly, or ``NotImplemented``
+    (see the module docstring)."""
+    state = module.__dict__[_STATE]
+    hidden, rotary = arguments.get("hidden_states"), arguments.get("position_embeddings")
+    if (state.unservable is not None or any(name in arguments for name in _PASSED_ON)
+            or not isinstance(hidden, Tensor) or not isinstance(rotary, (tuple, list)) or len(rotary) != 2
+            or module.needs_fallback(hidden) or not _no_global_hooks()):
+        return NotImplemented
+    cache = next((arguments[name] for name in state.cache_names if name in arguments), None)
+    Cache, EncoderDecoderCache, PagedAttentionCache = _cache_classes()
+    if not isinstance(cache, Cache) or isinstance(cache, (EncoderDecoderCache, PagedAttentionCache)):
+        return NotImplemented
+    qkv = _merged_projection(module._modules)
+    namespace = _namespace(state.base_forward, recognised.code)
+    layer_idx = getattr(module, "layer_idx", None)
+    if (qkv is None or namespace is None or type(layer_idx) is not int or _mapped_kernel(module)
+            or not _names_paged_attention(module.config)):
+        return NotImplemented
+    paged = paged_layer_of(cache, layer_idx, state.block_size, state.passes_window)
+    if paged is None:
+        return NotImplemented
+
+    # the forward's statements, with the cache binding and the attention function's dispatch inlined
+    input_shape = hidden.shape[:-1]
+    hidden_shape = (*input_shape, -1, module.head_dim)
+    q, k, v = qkv.forward(hidden)  # what its q/k/v parts run
+    query, key, value = [part.view(hidden_shape).transpose(1, 2) for part in (q, k, v)]
+    cos, sin = rotary
+    query, key = namespace["apply_rotary_pos_emb"](query, key, cos, sin)
+    mask = arguments.get("attention_mask")
+    batch = store_step(state, paged, key, value, mask)
+    state.kv = paged.store
+    kwargs = {name: value for name, value in arguments.items() if name not in _NOT_PASSED_ON}
+    for name, value_of in recognised.forwarded:
+        kwargs[name] = value_of(module)
+    out, weights = attend_paged(module, state, batch, query, key, value, mask, module.scaling, 0.0, kwargs)
+    return module.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+def direct_path_for(cls: type) -> Optional[Callable[[nn.Module, dict[str, Any]], Any]]:
+    """The direct path for paged modules of class ``cls`` (None: its forward is not recognised)."""
+    recognised = recognise(cls)
+    return None if recognised is None else functools.partial(direct_forward, recognised)

@@ -1,0 +1,165 @@
+"""The direct path of paged attention modules whose forward is the common Hugging Face one."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.models.llama import modeling_llama
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+from hw_agnostic import rewire
+from hw_agnostic.backend.attention_direct import _TEMPLATE, recognise
+from hw_agnostic.layers.attention import _STATE, PagedAttention
+
+from .models import build, prompt
+
+RECOGNISED = ["llama", "mistral", "qwen2", "gemma", "gemma2", "granite"]
+
+
+def _paged(model):
+    return [m for m in model.modules() if isinstance(m, PagedAttention)]
+
+
+def _count_direct(model) -> dict[str, int]:
+    """Counts, over every paged module of ``model``, the calls its direct path took and declined."""
+    counts = {"taken": 0, "declined": 0}
+    for module in _paged(model):
+        state = module.__dict__[_STATE]
+        direct = state.direct
+
+        def counting(mod, arguments, direct=direct):
+            result = direct(mod, arguments)
+            counts["declined" if result is NotImplemented else "taken"] += 1
+            return result
+
+        state.direct = counting
+    return counts
+
+
+def _rewired(family):
+    model = build(family)
+    rewire(model)
+    return model
+
+
+def _without_direct(model):
+    for module in _paged(model):
+        module.__dict__[_STATE].direct = None
+    return model
+
+
+def _generate(model, ids, steps=6):
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences, torch.stack(out.logits)
+
+
+@pytest.mark.parametrize("family", RECOGNISED)
+def test_the_direct_path_computes_what_the_forward_computes_bit_for_bit(family):
+    """Prompt and decode steps through both paths: the same tokens and logits, bit for bit, also past
+    a sliding window (Mistral, Gemma-2: the window and softcap the forward passes are evaluated)."""
+    direct, general = _rewired(family), _without_direct(_rewired(family))
+    counts = _count_direct(direct)
+    ids = prompt(batch=1, length=14)
+    (got_tokens, got_logits), (want_tokens, want_logits) = _generate(direct, ids), _generate(general, ids)
+    assert counts["taken"] == 2 * 6 and counts["declined"] == 0  # two layers, prompt and five steps
+    assert torch.equal(got_tokens, want_tokens)
+    assert torch.equal(got_logits, want_logits)
+    with torch.no_grad():
+        reference = build(family)(got_tokens[:, :-1]).logits[:, 13:]
+    torch.testing.assert_close(got_logits[:, 0], reference[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_the_cache_holds_the_same_pages_after_either_path(family):
+    direct, general = _rewired(family), _without_direct(_rewired(family))
+    caches = [DynamicCache(config=direct.config), DynamicCache(config=general.config)]
+    with torch.no_grad():
+        for model, cache in zip((direct, general), caches):
+            model(prompt(batch=1, length=5), cache=cache, use_cache=True)
+            model(prompt(batch=1, length=1, seed=3), cache=cache, use_cache=True)
+    for mine, theirs in zip(caches[0].layers, caches[1].layers):
+        for got, want in zip(mine.read(), theirs.read()):
+            assert torch.equal(got, want)
+
+
+def test_left_padded_generation_takes_it_and_matches_the_general_path():
+    direct, general = _rewired("llama"), _without_direct(_rewired("llama"))
+    counts = _count_direct(direct)
+    ids = prompt(batch=2, length=6)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    outputs = []
+    for model in (direct, general):
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        outputs.append((out.sequences, torch.stack(out.logits)))
+    assert counts["taken"] == 2 * 3 and counts["declined"] == 0
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+
+
+def test_calls_it_cannot_take_run_the_forward():
+    """Recorded attention weights, a hook on a projection part, training: the module's forward runs
+    (and the hook fires)."""
+    model = _rewired("llama")
+    counts = _count_direct(model)
+    ids = prompt(batch=2, length=6)
+    with torch.no_grad():
+        model(ids[:1], output_attentions=True)
+    assert counts["taken"] == 0 and counts["declined"] == 2
+
+    fired = []
+    handle = model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda *_: fired.append(1))
+    with torch.no_grad():
+        model(ids[:1])
+    handle.remove()
+    assert fired == [1] and counts["taken"] == 1  # the other layer took it
+
+    model.train()
+    model(ids[:1]).logits.sum().backward()
+    assert counts["taken"] == 1
+    model.eval()
+    with torch.no_grad():
+        model(ids[:1])
+    assert counts["taken"] == 3
+
+
+def test_a_merge_undone_by_verification_leaves_the_forward_to_run():
+    model = _rewired("llama")
+    counts = _count_direct(model)
+    attention = model.model.layers[0].self_attn
+    attention.q_proj = torch.nn.Linear(64, 64, bias=False)  # no longer a part of qkv_proj
+    with torch.no_grad():
+        model(prompt(batch=1, length=3))
+    assert counts["declined"] == 1 and counts["taken"] == 1
+
+
+def test_only_the_template_forward_is_recognised(tmp_path):
+    assert recognise(modeling_llama.LlamaAttention) is not None
+    assert recognise(Qwen3Attention) is None  # q_norm / k_norm between projection and rotary
+
+    namespace = dict(vars(modeling_llama))
+    template = textwrap.dedent(_TEMPLATE)
+    assert "value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)\n" in template
+    extra_statement = template.replace("value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+                                       "value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2) * 2")
+    sinks = template.replace("scaling=self.scaling,", "scaling=self.scaling, s_aux=self.sinks,")
+    window = template.replace("scaling=self.scaling,", "scaling=self.scaling, sliding_window=self.window,")
+    assert len({template, extra_statement, sinks, window}) == 4
+    found = {}
+    for name, source in (("template", template), ("scaled values", extra_statement), ("sinks", sinks),
+                         ("window", window)):
+        path = tmp_path / f"{name.replace(' ', '_')}.py"  # inspect.getsource reads the forward's file
+        path.write_text(textwrap.dedent(source))
+        code = compile(textwrap.dedent(source), str(path), "exec")
+        exec(code, namespace)  # noqa: S102 - test source
+        found[name] = recognise(type(name.title().replace(" ", ""), (modeling_llama.LlamaAttention,),
+                                     {"forward": namespace["forward"]}))
+    assert found["template"] is not None and not found["template"].forwarded
+    assert found["scaled values"] is None and found["sinks"] is None
+    assert found["window"] is not None and [name for name, _ in found["window"].forwarded] == ["sliding_window"]
