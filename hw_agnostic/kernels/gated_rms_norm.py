@@ -55,7 +55,7 @@ def _gated_rms_norm(
     has_weight: _constexpr,
     round_product: _constexpr,
 ) -> None:
-    m, groups, n = x.size()
+    m, groups, n = x.size(0), x.size(1), hl.specialize(x.size(2))
     for tile_m, tile_g in hl.tile([m, groups]):
         h = x[tile_m, tile_g, :].to(torch.float32)
         a = h

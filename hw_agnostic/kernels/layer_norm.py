@@ -69,7 +69,7 @@ def _layer_norm(
     has_bias: _constexpr,
     round_product: _constexpr,
 ) -> None:
-    m, heads, n = x.size()
+    m, heads, n = x.size(0), x.size(1), hl.specialize(x.size(2))
     for tile_m, tile_h in hl.tile([m, heads]):
         xf = x[tile_m, tile_h, :].to(torch.float32)
         mean = torch.mean(xf, dim=-1, keepdim=True)
@@ -94,7 +94,7 @@ def _fused_add_layer_norm_row(
     has_bias: _constexpr,
     round_product: _constexpr,
 ) -> None:
-    m, n = x.size()
+    m, n = x.size(0), hl.specialize(x.size(1))
     for tile_m in hl.tile(m):
         s = (x[tile_m, :].to(torch.float32) + residual[tile_m, :].to(torch.float32)).to(residual_out.dtype)
         residual_out[tile_m, :] = s

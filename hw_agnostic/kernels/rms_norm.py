@@ -55,7 +55,7 @@ def _rms_norm(
     numerics: _constexpr,
     has_weight: _constexpr,
 ) -> None:
-    m, n = x.size()
+    m, n = x.size(0), hl.specialize(x.size(1))
     for tile_m in hl.tile(m):
         xf = x[tile_m, :].to(torch.float32)
         inv_rms = torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + eps)
@@ -76,7 +76,7 @@ def _fused_add_rms_norm_row(
     numerics: _constexpr,
     has_weight: _constexpr,
 ) -> None:
-    m, n = x.size()
+    m, n = x.size(0), hl.specialize(x.size(1))
     for tile_m in hl.tile(m):
         s = (x[tile_m, :].to(torch.float32) + residual[tile_m, :].to(torch.float32)).to(residual_out.dtype)
         residual_out[tile_m, :] = s
