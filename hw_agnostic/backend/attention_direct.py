@@ -239,17 +239,19 @@ def _attention_functions() -> Any:
 def _attn_implementation_property() -> Any:
     from transformers import PretrainedConfig
 
-    return vars(PretrainedConfig)["_attn_implementation"]
+    return vars(PretrainedConfig).get("_attn_implementation")
 
 
 def _names_paged_attention(config: Any) -> bool:
     """Whether the module's config dispatches its attention function to ``paged_attention_forward``
     (read past transformers' config ``__getattribute__``, 3.5 µs a call, where the property is the
     plain one)."""
-    if not torch.compiler.is_compiling() and (
-            getattr(type(config), "_attn_implementation", None) is _attn_implementation_property()):
-        name = object.__getattribute__(config, "__dict__").get("_attn_implementation_internal")
-    else:
+    name = None
+    if not torch.compiler.is_compiling():  # a traced graph reads it once (and cannot read a mappingproxy)
+        plain = _attn_implementation_property()
+        if plain is not None and getattr(type(config), "_attn_implementation", None) is plain:
+            name = object.__getattribute__(config, "__dict__").get("_attn_implementation_internal")
+    if name is None:
         name = config._attn_implementation
     return name == ATTENTION_NAME and _attention_functions().get(ATTENTION_NAME) is paged_attention_forward
 
