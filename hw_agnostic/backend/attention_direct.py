@@ -229,23 +229,16 @@ def _mapped_kernel(module: nn.Module) -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def _attention_functions() -> Any:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    return ALL_ATTENTION_FUNCTIONS
-
-
-@functools.lru_cache(maxsize=1)
 def _attn_implementation_property() -> Any:
     from transformers import PretrainedConfig
 
     return vars(PretrainedConfig).get("_attn_implementation")
 
 
-def _names_paged_attention(config: Any) -> bool:
-    """Whether the module's config dispatches its attention function to ``paged_attention_forward``
-    (read past transformers' config ``__getattribute__``, 3.5 µs a call, where the property is the
-    plain one)."""
+def _names_paged_attention(config: Any, namespace: dict[str, Any]) -> bool:
+    """Whether the forward, run with ``config`` in its module's ``namespace``, would dispatch its
+    attention function to ``paged_attention_forward`` (the config's name read past transformers'
+    config ``__getattribute__``, 3.5 µs a call, where the property is the plain one)."""
     name = None
     if not torch.compiler.is_compiling():  # a traced graph reads it once (and cannot read a mappingproxy)
         plain = _attn_implementation_property()
@@ -253,7 +246,8 @@ def _names_paged_attention(config: Any) -> bool:
             name = object.__getattribute__(config, "__dict__").get("_attn_implementation_internal")
     if name is None:
         name = config._attn_implementation
-    return name == ATTENTION_NAME and _attention_functions().get(ATTENTION_NAME) is paged_attention_forward
+    functions = namespace.get("ALL_ATTENTION_FUNCTIONS")
+    return name == ATTENTION_NAME and functions is not None and functions.get(ATTENTION_NAME) is paged_attention_forward
 
 
 def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[str, Any]) -> Any:
@@ -265,7 +259,7 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
             or not isinstance(hidden, Tensor) or not isinstance(rotary, (tuple, list)) or len(rotary) != 2
             or module.needs_fallback(hidden) or not _no_global_hooks()):
         return NotImplemented
-    cache = next((arguments[name] for name in state.cache_names if name in arguments), None)
+    cache = next((arguments[name] for name in state.cache_names if arguments.get(name) is not None), None)
     Cache, EncoderDecoderCache, PagedAttentionCache = _cache_classes()
     if not isinstance(cache, Cache) or isinstance(cache, (EncoderDecoderCache, PagedAttentionCache)):
         return NotImplemented
@@ -273,7 +267,7 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     namespace = _namespace(state.base_forward, recognised.code)
     layer_idx = getattr(module, "layer_idx", None)
     if (qkv is None or namespace is None or type(layer_idx) is not int or _mapped_kernel(module)
-            or not _names_paged_attention(module.config)):
+            or not _names_paged_attention(module.config, namespace)):
         return NotImplemented
     paged = paged_layer_of(cache, layer_idx, state.block_size, state.passes_window)
     if paged is None:
