@@ -768,7 +768,7 @@ def paging_changes(model: nn.Module, *, block_size: int = 16) -> tuple[list[Chan
         apply()
         changes.append(StrictUntilReleased("attention", path, original, layer_class.__name__,
                                            "K/V in a paged cache: write_kv_cache + paged_attention"
-                                           + ("; its forward recognised, unmasked calls made directly" if direct else ""),
+                                           + ("; its forward recognised: its calls made directly" if direct else ""),
                                            apply, undo,
                                            holder=strictness))
     if changes:

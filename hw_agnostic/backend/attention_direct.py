@@ -1,6 +1,6 @@
 """The direct path of paged attention modules whose forward is the common Hugging Face one.
 
-About forty decoder families (Llama, Gemma, Granite, GLM-4, Helium, Ernie-4.5, Qwen2-MoE, ...,
+About forty families (Llama, Gemma, Granite, GLM-4, Helium, Ernie-4.5, Qwen2-MoE, ...,
 and with the sliding window or softcap they pass their attention function, Mistral, Mixtral,
 Qwen2, Gemma-2) share one attention forward, statement for statement:
 
@@ -11,9 +11,10 @@ Qwen2, Gemma-2) share one attention forward, statement for statement:
 
 A paged module (:class:`~hw_agnostic.layers.PagedAttention`) runs that forward with its cache bound
 to a paged view and its attention function dispatched by name: three projection-part calls, the
-``kernels`` package's wrapper, a binding object and the attention function's checks cost 57 µs of
-host Python per layer of a decode step (the decode-host bench: 225 against 282 µs per layer on a
-2-core EPYC, six layers against two), on every device, before a kernel runs.
+``kernels`` and ``deprecate_kwarg`` wrappers, a binding object and the attention-interface lookup,
+host Python on every device before a kernel runs. Making the calls directly saves 20-36 µs per
+layer of a decode step (the decode-host bench's model on a 2-core EPYC, both paths in one
+process, three runs; about 10% of a layer).
 
 For a module whose class forward *is* that code (its syntax tree equal to :data:`_TEMPLATE`'s,
 statement by statement, once the cache parameter's name is unified, annotations dropped and the
