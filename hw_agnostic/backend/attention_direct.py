@@ -53,7 +53,6 @@ import types
 from collections.abc import Callable
 from typing import Any, Optional
 
-import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as nn_module
 
@@ -229,26 +228,12 @@ def _mapped_kernel(module: nn.Module) -> bool:
     return bool(funcs) and any("forward" in vars(func) for func in funcs.values())
 
 
-@functools.lru_cache(maxsize=1)
-def _attn_implementation_property() -> Any:
-    from transformers import PretrainedConfig
-
-    return vars(PretrainedConfig).get("_attn_implementation")
-
-
 def _names_paged_attention(config: Any, namespace: dict[str, Any]) -> bool:
     """Whether the forward, run with ``config`` in its module's ``namespace``, would dispatch its
-    attention function to ``paged_attention_forward`` (the config's name read past transformers'
-    config ``__getattribute__``, 3.5 µs a call, where the property is the plain one)."""
-    name = None
-    if not torch.compiler.is_compiling():  # a traced graph reads it once (and cannot read a mappingproxy)
-        plain = _attn_implementation_property()
-        if plain is not None and getattr(type(config), "_attn_implementation", None) is plain:
-            name = object.__getattribute__(config, "__dict__").get("_attn_implementation_internal")
-    if name is None:
-        name = config._attn_implementation
+    attention function to ``paged_attention_forward``."""
     functions = namespace.get("ALL_ATTENTION_FUNCTIONS")
-    return name == ATTENTION_NAME and functions is not None and functions.get(ATTENTION_NAME) is paged_attention_forward
+    return (config._attn_implementation == ATTENTION_NAME and functions is not None
+            and functions.get(ATTENTION_NAME) is paged_attention_forward)
 
 
 def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[str, Any]) -> Any:
