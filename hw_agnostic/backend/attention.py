@@ -175,7 +175,9 @@ def _mask_refusal(batch: PagedBatch, mask: Any, q_len: int, window: Optional[int
         return None  # continuous batching's own masks, no mask, or a 2-D padding mask read as it is
     if torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
-    agrees = store.share.once(("interface mask", mask, store.real, store.seen, q_len, window),
+    # A static store's counters are its own (each layer's): its step is told apart by the positions seen
+    state = ("static", int(store.seen)) if store.static else (store.real, store.seen)
+    agrees = store.share.once(("interface mask", mask, *state, q_len, window),
                               lambda: _is_the_kernels_mask(mask, store, q_len, window), versioned=True)
     if agrees:
         return None
@@ -185,7 +187,10 @@ def _mask_refusal(batch: PagedBatch, mask: Any, q_len: int, window: Optional[int
 
 
 def _is_the_kernels_mask(mask: Tensor, store: PagedKVCache, q_len: int, window: Optional[int]) -> bool:
-    bias, seen = _additive(mask), store.seen
+    bias, seen, real = _additive(mask), store.seen, store.real
+    if store.static:  # its counters live on the device (an eager step: this check is not made while compiling)
+        seen = int(seen)
+        real = real[:, :seen]
     width = bias.shape[-1]
     if width > seen:  # columns past the positions seen (a static cache's capacity) must hide their keys
         if not bool((bias[..., seen:] <= HIDDEN).all()):
@@ -193,7 +198,7 @@ def _is_the_kernels_mask(mask: Tensor, store: PagedKVCache, q_len: int, window: 
         bias = bias[..., :seen]
     elif width < seen:  # a sliding window's mask may span only the last positions
         bias = torch.nn.functional.pad(bias, (seen - width, 0), value=float("-inf"))
-    return _masks_agree([(bias, 1.0)], store.real, seen, q_len, store.batch_size, mask.device, window)
+    return _masks_agree([(bias, 1.0)], real, seen, q_len, store.batch_size, mask.device, window)
 
 
 def _additive(mask: Tensor) -> Tensor:
@@ -309,10 +314,14 @@ class PagedCacheLayer(_cache_layer_base()):  # type: ignore[misc]
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, *, is_sliding: bool = False, block_size: int = 16, share: Optional[StepShare] = None) -> None:
+    def __init__(self, *, is_sliding: bool = False, block_size: int = 16, share: Optional[StepShare] = None,
+                 capacity: Optional[int] = None) -> None:
         super().__init__()
         self.is_sliding = is_sliding
         self.block_size = block_size
+        # tokens per row of a static store (standing in for a StaticCache layer: see PagedKVCache)
+        self.capacity = capacity
+        self.is_compileable = capacity is not None
         # one per transformers Cache: its layers compute each step's metadata once (see StepShare)
         self.share = share if share is not None else StepShare()
         self.store: Optional[PagedKVCache] = None
@@ -325,7 +334,8 @@ class PagedCacheLayer(_cache_layer_base()):  # type: ignore[misc]
         batch_size, heads, _, head_dim = key_states.shape
         if self.store is None:
             self.store = PagedKVCache(batch_size, heads, head_dim, block_size=self.block_size,
-                                      dtype=key_states.dtype, device=key_states.device, share=self.share)
+                                      dtype=key_states.dtype, device=key_states.device, share=self.share,
+                                      capacity=self.capacity)
         batch = self.store.append(key_states.transpose(1, 2), value_states.transpose(1, 2), real)
         batch.key_states, batch.value_states = key_states, value_states
         return batch
@@ -378,20 +388,23 @@ class PagedCacheLayer(_cache_layer_base()):  # type: ignore[misc]
             raise AttributeError("a paged cache layer's values live in its pages; write them with update()")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.capacity is not None:  # as transformers' static layer: masks span the capacity
+            return self.capacity, 0
         return self.get_seq_length() + query_length, 0
 
-    def get_seq_length(self) -> int:
+    def get_seq_length(self) -> Any:
+        """Positions seen: an int, or (static, as transformers' static layers) a 0-d tensor."""
         return 0 if self.store is None else self.store.seen
 
     def get_max_length(self) -> int:
-        return -1
+        return -1 if self.capacity is None else self.capacity
 
     def reset(self) -> None:
         if self.store is not None:
             self.store.reset()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.store is not None and self.store.seen:
+        if self.store is not None and (self.store.static or self.store.seen):
             self.store.select(beam_idx)
 
     def batch_select_indices(self, indices: Tensor) -> None:
@@ -447,10 +460,11 @@ def _masks_agree(biases: list[tuple[Tensor, float]], real: Optional[Tensor], see
     return bool(torch.where(queries[:, None], rows_ok, own_hidden).all())
 
 
-def real_tokens(attention_mask: Any, q_len: int, past: int = 0) -> Optional[Tensor]:
+def real_tokens(attention_mask: Any, q_len: int, past: Any = 0) -> Optional[Tensor]:
     """``[B, q]`` bool: which of a step's tokens are not padding, read from the mask the model made.
 
-    ``None`` means no padding. ``past`` is the number of positions before the step. A 4-D mask
+    ``None`` means no padding. ``past`` is the number of positions before the step (a static
+    store's 0-d tensor, read on the device). A 4-D mask
     (SDPA's bool or eager's additive float) allows a real query to see itself, so the mask's
     entry for each query's own position marks the real tokens; its columns start at position 0
     (a static cache's mask spans the cache's whole capacity) unless the mask is narrower than the
@@ -465,7 +479,8 @@ def real_tokens(attention_mask: Any, q_len: int, past: int = 0) -> Optional[Tens
         raise ValueError(
             f"paged attention: cannot read padding from an attention mask of shape {tuple(attention_mask.shape)}"
         )
-    first = min(past, attention_mask.shape[-1] - q_len)
+    last_start = attention_mask.shape[-1] - q_len
+    first = past.clamp(max=last_start) if isinstance(past, Tensor) else min(past, last_start)  # static: a tensor
     steps = torch.arange(q_len, device=attention_mask.device)
     diagonal = attention_mask[:, 0, steps, first + steps]
     return diagonal if diagonal.dtype == torch.bool else diagonal == 0
@@ -480,7 +495,14 @@ def _pageable_layer_classes() -> tuple[type, ...]:
     return tuple(getattr(cache_utils, name) for name in names if hasattr(cache_utils, name))
 
 
-def paged_layer_of(cache: Any, index: int, block_size: int, windowed: bool = True) -> Optional[PagedCacheLayer]:
+def _is_static_layer(layer: Any) -> bool:
+    from transformers import cache_utils
+
+    return isinstance(layer, cache_utils.StaticLayer)
+
+
+def paged_layer_of(cache: Any, index: int, block_size: int, windowed: bool = True,
+                   static: bool = True) -> Optional[PagedCacheLayer]:
     """The paged view at ``cache.layers[index]``, installed if the slot is an empty plain K/V layer.
 
     ``None`` when the slot holds something a paged view cannot stand in for: a layer that also
@@ -504,9 +526,16 @@ def paged_layer_of(cache: Any, index: int, block_size: int, windowed: bool = Tru
         return None
     if getattr(current, "is_sliding", False) and not windowed:
         return None
+    capacity = None
+    if _is_static_layer(current):
+        # Its pages take the static layer's whole capacity at once (what makes a step graphable).
+        # A static sliding-window layer keeps a ring of the window; pages do not evict: left as it is.
+        if not static or getattr(current, "is_sliding", False):
+            return None
+        capacity = int(current.max_cache_len)
     share = next((layer.share for layer in layers if isinstance(layer, PagedCacheLayer)), None)
     paged = PagedCacheLayer(is_sliding=bool(getattr(current, "is_sliding", False)), block_size=block_size,
-                            share=share)
+                            share=share, capacity=capacity)
     layers[index] = paged
     return paged
 
@@ -515,6 +544,8 @@ def store_step(state: Any, paged: PagedCacheLayer, key_states: Tensor, value_sta
                mask: Any) -> PagedBatch:
     """Write a step ``[B, Hkv, q, D]`` into ``paged``, its padding read from ``mask``."""
     past, q_len = paged.get_seq_length(), key_states.shape[2]
+    if isinstance(past, Tensor) and not torch.compiler.is_compiling():
+        past = int(past)  # a static store's counter, read in an eager step so that its layers share the padding
     if state.unservable is not None or mask is None:  # no padding to read; or its masks are not the
         real = None  # kernel's: its own attention, every token kept
     else:
@@ -541,7 +572,7 @@ class _StoreBinding:
         own = getattr(self.layer, "layer_idx", None)
         index = own if layer_idx is None else layer_idx
         paged = None if index is None else paged_layer_of(self.cache, int(index), self.layer.block_size,
-                                                           self.layer.passes_window)
+                                                           self.layer.passes_window, self.layer.takes_static_pages)
         if paged is None:
             if kwargs is not None:
                 extra["kwargs"] = kwargs
@@ -831,7 +862,7 @@ def _install_pages_first(model: nn.Module) -> None:
                 for layer in attention:
                     index = getattr(layer, "layer_idx", None)
                     if isinstance(layer, PagedAttention) and isinstance(index, int):
-                        paged_layer_of(cache, index, layer.block_size, layer.passes_window)
+                        paged_layer_of(cache, index, layer.block_size, layer.passes_window, layer.takes_static_pages)
                 layers = getattr(cache, "layers", None)
                 try:
                     done[cache] = len(layers) if isinstance(layers, list) else -1

@@ -132,6 +132,10 @@ def release_own_code(module: nn.Module) -> nn.Module:
 class _OwnCodeAttention:
     """Mixed in before the paged layer: runs the module's forward with its attention interpreted."""
 
+    # Its interpreter reads the positions seen as an int: a StaticCache's slots keep transformers'
+    # static layers (graphable as they are) and the module's own attention.
+    takes_static_pages = False
+
     # A traced graph cannot follow placeholders by identity: inside a compiled model the module runs
     # eagerly (a graph break), interpreted as it is outside one.
     @torch.compiler.disable
@@ -238,7 +242,8 @@ class _OwnCodeBinding:
 
     def _paged_layer(self, layer_idx: Any) -> Any:
         index = getattr(self.layer, "layer_idx", None) if layer_idx is None else layer_idx
-        return paged_layer_of(self.inner.cache, int(index), self.layer.block_size, self.layer.passes_window)
+        return paged_layer_of(self.inner.cache, int(index), self.layer.block_size, self.layer.passes_window,
+                              static=self.layer.takes_static_pages)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -16,6 +16,15 @@ sequence of ``paged_attention``; padding queries are left to no sequence and com
 This gives Hugging Face's masking for left padding (what ``generate`` uses) and for padding
 anywhere, except that a sliding window then counts real tokens only.
 
+Static capacity (``capacity=``, what a transformers ``StaticCache`` asks for): the pages for that
+many tokens per row are allocated up front and never move, and the bookkeeping lives on the
+device, updated in place: the positions seen (a 0-d tensor, as transformers' static layers keep
+it), each row's length, and which positions hold a real token (``[B, capacity]``). A step then
+makes the same tensor calls on the same addresses whatever its position, with no host state that
+changes, so a decode step traces once under ``torch.compile`` and can be captured as one CUDA
+graph. The cost: each layer keeps and updates its own counters (a dynamic store shares a step's
+metadata among its model's layers), and the attention kernel's length hint is the capacity.
+
 :class:`PagedAttention` is the layer. It takes over an attention module that follows the
 Hugging Face pattern (projections, norms and rotary embedding in the module, then
 ``cache.update(k, v, layer_idx, ...)`` and an ``attention_interface(...)`` call) by
@@ -100,21 +109,48 @@ class PagedKVCache:
     def __init__(
         self, batch_size: int, num_kv_heads: int, head_dim: int, *, block_size: int = 16,
         dtype: torch.dtype, device: torch.device | str, share: Optional[StepShare] = None,
+        capacity: Optional[int] = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"PagedKVCache: block_size must be >= 1, got {block_size}")
+        if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
+            raise ValueError(f"PagedKVCache: capacity must be a positive int (tokens per row) or None, got {capacity!r}")
         self.batch_size, self.num_kv_heads, self.head_dim = batch_size, num_kv_heads, head_dim
         self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
         # The metadata this layer computes alike with the other layers of its model (see StepShare).
         self.share = share if share is not None else StepShare()
-        self.seen = 0  # positions seen per row, padding included (what Hugging Face counts)
+        self.capacity = capacity  # tokens per row of a static store (module docstring); None: pages grow
+        # positions seen per row, padding included (what Hugging Face counts): an int, or on a
+        # static store a 0-d int64 tensor on the device
+        self.seen: Any = 0
         # [B, seen] bool, which positions hold a real token; None while every position does.
         # Like kv_lens, never written in place: other layers may hold the same tensor.
+        # (A static store's is [B, capacity], written in place, False past the positions seen.)
         self.real: Optional[Tensor] = None
         self.blocks_per_row = 0
         self.k_pages = self.v_pages = self.block_table = None
         self.kv_lens = self._zero_lengths()
         self._row_start: Optional[Tensor] = None
+        if capacity is not None:
+            self._make_static(capacity)
+
+    @property
+    def static(self) -> bool:
+        return self.capacity is not None
+
+    def _make_static(self, capacity: int) -> None:
+        self._reserve(capacity)
+        self.seen = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.kv_lens = torch.zeros(self.batch_size, dtype=torch.int32, device=self.device)
+        self.real = torch.zeros(self.batch_size, capacity, dtype=torch.bool, device=self.device)
+        self._mark_static()
+
+    def _mark_static(self) -> None:
+        if not torch.compiler.is_compiling():
+            # Fixed addresses: a compiled graph reads them in place (a CUDA graph copies nothing in).
+            for tensor in (self.k_pages, self.v_pages, self.block_table, self._row_start, self.seen, self.kv_lens,
+                           self.real):
+                torch._dynamo.mark_static_address(tensor)
 
     def _zero_lengths(self) -> Tensor:
         return self.share.once(("zeros", self.batch_size, self.device),
@@ -159,6 +195,8 @@ class PagedKVCache:
         batch_size, q_len = key.shape[0], key.shape[1]
         if batch_size != self.batch_size:
             raise ValueError(f"PagedKVCache: a step of {batch_size} rows for a cache of {self.batch_size}")
+        if self.static:
+            return self._append_static(key, value, real)
         self._reserve(self.seen + q_len)
         assert self._row_start is not None and self.block_table is not None
         step = self.share.once(
@@ -174,6 +212,54 @@ class PagedKVCache:
         return PagedBatch(self.k_pages, self.v_pages, self.block_table, step.cu_seqlens_q, self.kv_lens, q_len,
                           self.seen, step.query_order, store=self)
 
+    def _append_static(self, key: Tensor, value: Tensor, real: Optional[Tensor]) -> PagedBatch:
+        """:meth:`append` on a static store: the step's metadata computed from the device counters,
+        which are then advanced in place.
+
+        A compiled step reads no host state. An eager one (a prefill, a step outside a graph) reads
+        the positions seen once, to check the capacity and to share the step's layout with the
+        other layers (on a GPU that is a synchronisation per layer: graphs are what static stores
+        are for)."""
+        batch_size, q_len = key.shape[0], key.shape[1]
+        assert self._row_start is not None and self.block_table is not None and self.real is not None
+        compiling = torch.compiler.is_compiling()
+        if compiling:
+            positions = self.seen + torch.arange(q_len, device=self.device)
+            fits = positions < self.capacity
+            torch._assert_async(fits.all(), self._past_capacity())
+            layout = _step_layout(real, q_len, batch_size, self.device)
+        else:
+            start = int(self.seen)
+            if start + q_len > self.capacity:
+                raise ValueError(f"{self._past_capacity()}: {start} positions seen, a step of {q_len}")
+            # (a static cache's mask always spans the capacity, so a step always comes with its
+            # padding read from it: one without any takes the layout without gathers)
+            layout = self.share.once(("step layout", real, q_len, batch_size, self.device), lambda: _step_layout(
+                None if real is None or bool(real.all()) else real, q_len, batch_size, self.device))
+        slots = _slots(layout, self.kv_lens, self._row_start)
+        if compiling:  # a position past the capacity is never written, whatever the assertion leaves running
+            slots = torch.where(fits[None, :], slots, -1)
+        write_kv_cache(
+            key.reshape(batch_size * q_len, self.num_kv_heads, self.head_dim),
+            value.reshape(batch_size * q_len, self.num_kv_heads, self.head_dim),
+            self.k_pages, self.v_pages, slots.reshape(-1),
+        )
+        if compiling:
+            written = fits[None, :].expand(batch_size, q_len)
+            if layout.real is not None:
+                written = written & layout.real
+            self.real.index_copy_(1, positions.clamp(max=self.capacity - 1), written)
+        else:
+            self.real[:, start:start + q_len] = True if layout.real is None else layout.real
+        self.kv_lens.add_(layout.counts)
+        self.seen.add_(q_len)
+        return PagedBatch(self.k_pages, self.v_pages, self.block_table, layout.cu_seqlens_q, self.kv_lens, q_len,
+                          self.capacity, layout.query_order, store=self)
+
+    def _past_capacity(self) -> str:
+        return (f"PagedKVCache: a step past the static capacity of {self.capacity} tokens per row "
+                "(a StaticCache's max_cache_len)")
+
     @property
     def padded(self) -> bool:
         """Whether some row may hold fewer tokens than :attr:`seen`."""
@@ -185,8 +271,9 @@ class PagedKVCache:
         What transformers' own cache layer would return from ``update``: the fallback path (attention
         weights, gradients) and ``cache.layers[i].keys`` read the pages through it.
         """
-        shape = (self.batch_size, self.seen, self.num_kv_heads, self.head_dim)
-        if self.k_pages is None or self.seen == 0:
+        width = self.capacity if self.static else self.seen  # a static store: every position it has room for
+        shape = (self.batch_size, width, self.num_kv_heads, self.head_dim)
+        if self.k_pages is None or width == 0:
             empty = torch.zeros(shape, dtype=self.dtype, device=self.device).transpose(1, 2)
             return empty, empty.clone()
         assert self._row_start is not None
@@ -207,6 +294,9 @@ class PagedKVCache:
         they came (so gradients reach them, and its padding positions hold what the module computed)."""
         keys, values = self.read()
         steps = key_states.shape[2]
+        if self.static:
+            positions = (self.seen - steps + torch.arange(steps, device=self.device)).clamp(max=self.capacity - 1)
+            return keys.index_copy(2, positions, key_states), values.index_copy(2, positions, value_states)
         return (torch.cat([keys[:, :, : keys.shape[2] - steps], key_states], dim=2),
                 torch.cat([values[:, :, : values.shape[2] - steps], value_states], dim=2))
 
@@ -215,6 +305,9 @@ class PagedKVCache:
     def select(self, index: Tensor) -> None:
         """Keep rows ``index`` (in that order; repeats allowed): a physical copy, so rows can diverge."""
         index = index.to(self.device)
+        if self.static and index.shape[0] == self.batch_size:
+            self._select_in_place(index)
+            return
         kv_lens, real = self.kv_lens, self.real
         self.kv_lens, self.real = self.share.once(
             ("select", kv_lens, real, index), lambda: (kv_lens[index], None if real is None else real[index]))
@@ -225,6 +318,18 @@ class PagedKVCache:
         self.batch_size = index.shape[0]
         if self.k_pages is not None:
             self._layout(self.blocks_per_row)
+        if self.static:  # another batch size: new buffers, kept at their new addresses from now on
+            self.seen, self.kv_lens, self.real = self.seen.clone(), self.kv_lens.clone(), self.real.clone()
+            self._mark_static()
+
+    def _select_in_place(self, index: Tensor) -> None:
+        """:meth:`select` keeping the batch size, on a static store: its tensors keep their addresses."""
+        assert self.k_pages is not None and self.v_pages is not None and self.real is not None
+        shape = (self.batch_size, self.blocks_per_row, *self.k_pages.shape[1:])
+        for pages in (self.k_pages, self.v_pages):
+            pages.copy_(pages.view(shape)[index].flatten(0, 1))
+        self.kv_lens.copy_(self.kv_lens[index])
+        self.real.copy_(self.real[index])
 
     def repeat_interleave(self, repeats: int) -> None:
         batch_size, device = self.batch_size, self.device
@@ -233,6 +338,9 @@ class PagedKVCache:
 
     def crop(self, tokens: int) -> None:
         """Forget the last ``tokens`` positions (assisted and speculative decoding)."""
+        if self.static:
+            self._crop_static(tokens)
+            return
         tokens = min(tokens, self.seen)
         if tokens <= 0:
             return
@@ -247,7 +355,22 @@ class PagedKVCache:
         self.kv_lens, self.real = self.share.once(("crop", kv_lens, real, seen, tokens), cropped)
         self.seen = seen
 
+    def _crop_static(self, tokens: int) -> None:
+        assert self.real is not None
+        if tokens <= 0:
+            return
+        self.seen.sub_(tokens).clamp_(min=0)
+        dropped = self.real & (torch.arange(self.real.shape[1], device=self.device) >= self.seen)
+        self.kv_lens.sub_(dropped.sum(1, dtype=torch.int32))
+        self.real.logical_and_(~dropped)
+
     def reset(self) -> None:
+        if self.static:
+            assert self.real is not None
+            self.seen.zero_()
+            self.kv_lens.zero_()
+            self.real.zero_()
+            return
         self.seen = 0
         self.real = None
         self.kv_lens = self._zero_lengths()
@@ -264,33 +387,52 @@ class StepMetadata:
     real: Optional[Tensor]  # [B, seen + q] which positions are real, None while all are
 
 
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """Where a step's tokens go relative to each row's length: what the step's padding alone decides."""
+
+    offsets: Tensor  # each token's place after its row's tokens: [q], or [B, q] with padding
+    real: Optional[Tensor]  # [B, q] bool, None when every token is real
+    counts: Any  # [B] int32 real tokens per row, or the int q
+    cu_seqlens_q: Tensor
+    query_order: Optional[Tensor]
+
+
+def _step_layout(real: Optional[Tensor], q_len: int, batch_size: int, device: torch.device) -> StepLayout:
+    if real is None:
+        # Every token is real: each row appends its q tokens after the ones it holds.
+        cu = (torch.arange(0, (batch_size + 1) * q_len, q_len, device=device, dtype=torch.int32) if q_len
+              else torch.zeros(batch_size + 1, device=device, dtype=torch.int32))
+        return StepLayout(torch.arange(q_len, device=device), None, q_len, cu, None)
+    real = real.to(device=device, dtype=torch.bool)
+    counts = real.sum(1, dtype=torch.int32)
+    cu = torch.zeros(batch_size + 1, device=device, dtype=torch.int32)
+    cu[1:] = counts.cumsum(0)
+    order = torch.argsort((~real).reshape(-1).to(torch.int8), stable=True)
+    return StepLayout(real.cumsum(1) - 1, real, counts, cu, order)
+
+
+def _slots(layout: StepLayout, kv_lens: Tensor, row_start: Tensor) -> Tensor:
+    """``[B, q]``: each token's slot, after the ``kv_lens`` tokens its row holds (-1: padding)."""
+    if layout.real is None:
+        return row_start[:, None] + (kv_lens[:, None] + layout.offsets)
+    return torch.where(layout.real, row_start[:, None] + (kv_lens[:, None].long() + layout.offsets), -1)
+
+
 def _step_metadata(kv_lens: Tensor, row_start: Tensor, real: Optional[Tensor], q_len: int,
                    seen_real: Optional[Tensor], seen: int, device: torch.device) -> StepMetadata:
     batch_size = kv_lens.shape[0]
-    if real is None:
-        # Every token is real: each row appends its q tokens after the ones it holds.
-        steps = torch.arange(q_len, device=device)
-        slots = row_start[:, None] + (kv_lens[:, None] + steps)
-        cu = (torch.arange(0, (batch_size + 1) * q_len, q_len, device=device, dtype=torch.int32) if q_len
-              else torch.zeros(batch_size + 1, device=device, dtype=torch.int32))
-        lengths, order = kv_lens + q_len, None
-    else:
-        real = real.to(device=device, dtype=torch.bool)
-        rank = real.cumsum(1) - 1
-        slots = torch.where(real, row_start[:, None] + (kv_lens[:, None].long() + rank), -1)
-        counts = real.sum(1, dtype=torch.int32)
-        lengths = kv_lens + counts
-        cu = torch.zeros(batch_size + 1, device=device, dtype=torch.int32)
-        cu[1:] = counts.cumsum(0)
-        order = torch.argsort((~real).reshape(-1).to(torch.int8), stable=True)
+    layout = _step_layout(real, q_len, batch_size, device)
+    slots, lengths = _slots(layout, kv_lens, row_start), kv_lens + layout.counts
     # Which positions are real, kept once a step has padding (for crop and for reading back).
     known = seen_real
-    if real is not None or known is not None:
+    if layout.real is not None or known is not None:
         if known is None:
             known = torch.ones(batch_size, seen, dtype=torch.bool, device=device)
-        step = real if real is not None else torch.ones(batch_size, q_len, dtype=torch.bool, device=device)
+        step = layout.real if layout.real is not None else torch.ones(batch_size, q_len, dtype=torch.bool,
+                                                                       device=device)
         known = torch.cat([known, step], dim=1)
-    return StepMetadata(slots.reshape(-1), lengths, cu, order, known)
+    return StepMetadata(slots.reshape(-1), lengths, layout.cu_seqlens_q, layout.query_order, known)
 
 
 _SHARED_BY_VALUE = (int, float, str, bool, type(None), torch.device, torch.dtype)
@@ -487,6 +629,10 @@ class PagedAttention(PluggableLayer):
     @property
     def passes_window(self) -> bool:
         return self.__dict__[_STATE].passes_window
+
+    #: Whether static-capacity pages (a StaticCache's, see PagedKVCache) may serve it: their
+    #: counters live on the device, which a layer reading the positions seen on the host cannot use.
+    takes_static_pages = True
 
     @property
     def original_config(self) -> Any:

@@ -48,3 +48,12 @@ def build(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, **over
 
 def prompt(batch: int = 2, length: int = 9, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, TINY["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def padded_prompt(batch: int = 2, length: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt and its attention mask, the second row left-padded by 3 (pad id 0)."""
+    ids = prompt(batch, length)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids[1, :3] = 0
+    return ids, mask

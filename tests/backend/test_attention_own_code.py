@@ -279,3 +279,22 @@ def test_compiled_forward_in_generate():
     with torch.no_grad():
         assert torch.equal(got, reference.generate(ids, **kwargs))
     assert sum(plan.op == "paged_attention" for plan in record) == 4 * 2
+
+
+@pytest.mark.parametrize("family", ["xglm", "gpt_neox_japanese"])
+def test_a_static_cache_keeps_transformers_layers_under_own_code_attention(family):
+    """Own-code attention reads the positions seen as an int, which static pages keep on the device:
+    a StaticCache's layers stay transformers' own (graphable as they are) and the module's own
+    attention serves them."""
+    from transformers.cache_utils import StaticLayer
+
+    model, reference = _build(family, SERVED[family])
+    rewire(model)
+    ids, mask = _padded()
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                  cache_implementation="static")
+    with torch.no_grad():
+        got = model.generate(ids, return_dict_in_generate=True, **kwargs)
+        want = reference.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want)
+    assert all(type(layer) is StaticLayer for layer in got.past_key_values.layers)

@@ -19,7 +19,7 @@ from hw_agnostic import ops, rewire
 from hw_agnostic.backend.attention import PagedCacheLayer
 from hw_agnostic.layers import GatedMLP, PagedAttention, QKVProjection, RMSNorm
 from hw_agnostic.tolerances import assert_close
-from tests.backend.models import FAMILIES, build, prompt
+from tests.backend.models import FAMILIES, build, padded_prompt, prompt
 from tests.zoo import families as zoo
 
 
@@ -29,14 +29,6 @@ def _pair(family: str = "llama", **overrides):
     report = rewire(model)
     assert report.verification is not None and report.verification.ran and not report.verification.undone, report
     return model, reference
-
-
-def _padded(batch: int = 2, length: int = 9):
-    ids = prompt(batch, length)
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    ids[1, :3] = 0
-    return ids, mask
 
 
 def _ran(record, op: str) -> bool:
@@ -49,7 +41,7 @@ def _ran(record, op: str) -> bool:
 
 def test_output_attentions_returns_the_eager_weights():
     model, reference = _pair("llama", attn_implementation="eager")
-    ids, mask = _padded()
+    ids, mask = padded_prompt()
     with torch.no_grad():
         got = model(ids, attention_mask=mask, output_attentions=True)
         want = reference(ids, attention_mask=mask, output_attentions=True)
@@ -64,7 +56,7 @@ def test_output_attentions_returns_the_eager_weights():
 def test_generate_with_attentions_and_a_paged_cache():
     """Weights asked for after the cache was paged: the fallback reads every position back from the pages."""
     model, reference = _pair("gemma2", attn_implementation="eager")
-    ids, mask = _padded()
+    ids, mask = padded_prompt()
     kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
                   return_dict_in_generate=True, output_attentions=True)
     with torch.no_grad():
@@ -144,7 +136,7 @@ def test_inputs_that_need_gradients():
 
 def test_cache_contents_read_back_from_the_pages():
     model, reference = _pair("mistral")
-    ids, mask = _padded()
+    ids, mask = padded_prompt()
     cache, own = DynamicCache(config=model.config), DynamicCache(config=reference.config)
     with torch.no_grad():
         model(ids, attention_mask=mask, cache=cache, use_cache=True)
@@ -160,7 +152,7 @@ def test_cache_contents_read_back_from_the_pages():
 
 def test_crop_with_padding():
     model, _ = _pair("llama")
-    ids, mask = _padded()
+    ids, mask = padded_prompt()
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(ids, attention_mask=mask, cache=cache, use_cache=True)
@@ -201,7 +193,7 @@ def test_assisted_decoding_matches_greedy(how):
 
 def test_static_cache_and_beam_search():
     model, reference = _pair("gemma2")
-    ids, mask = _padded()
+    ids, mask = padded_prompt()
     for extra in (dict(cache_implementation="static"), dict(num_beams=3)):
         kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, **extra)
         with torch.no_grad():
@@ -211,7 +203,7 @@ def test_static_cache_and_beam_search():
 @pytest.mark.slow
 def test_compiled_forward_in_generate():
     model, reference = _pair("llama")
-    ids, mask = _padded()
+    ids, mask = padded_prompt()
     kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
     model.forward = torch.compile(model.forward)
     with torch.no_grad():
