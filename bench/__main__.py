@@ -45,7 +45,8 @@ from .timing import copy_bandwidth, matmul_tflops
 #: name -> module with ``run(device, *, quick, log[, only])`` yielding row dicts (and optionally
 #: ``count(device, quick[, only])``, the number of rows, for the progress line's ETA).
 SUITES = {"ops": "bench.ops_suite", "model": "bench.model_suite", "moe": "bench.moe_suite",
-          "attention": "bench.attention_suite", "vllm": "bench.vllm_suite", "decode_host": "bench.decode_host_suite"}
+          "attention": "bench.attention_suite", "vllm": "bench.vllm_suite", "decode_host": "bench.decode_host_suite",
+          "decode": "bench.decode_suite"}
 HERE = Path(__file__).resolve().parent
 RUNS = HERE / "runs"
 VERSIONED = ("torch", "triton", "helion", "transformers", "numpy", "liger-kernel")
@@ -260,7 +261,10 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m bench") -> int
         meta_path.write_text(json.dumps(meta, indent=1) + "\n")
         if results.rows:
             write_reports(out, meta, results.frame())
-    progress.log(f"{status}: wrote {out}/results.csv, results.md, meta.json and plots")
+    if results.rows:
+        progress.log(f"{status}: wrote {out}/results.csv, results.md, meta.json and plots")
+    else:
+        progress.log(f"{status}: no rows measured; wrote {out}/meta.json")
     return 0 if status == "complete" else 130
 
 

@@ -14,7 +14,8 @@ budget, all inside ``--budget`` seconds (a little over 9 minutes by default):
    saved after every key, written as the tuned-config files to ship;
 5. ``bench``: ``python -m bench --quick`` with those configs against HF eager, ``torch.compile``
    and Liger, copy bandwidth measured in the same run, with plots: one suite at a time under its
-   own budget (attention, MoE, the model step, then the ops at their headline widths);
+   own budget (attention, whole decode steps eager and graphed, MoE, the model step, then the ops
+   at their headline widths);
 6. ``pack``: everything into ``$OUT`` (at most 8 files): ``summary.md``, the bench CSV and
    markdown, ``tuned_configs.tar.gz`` (``<platform>/<kernel>.json``, to commit under
    ``hw_agnostic/autotune_cache/``), and ``campaign.tar.gz`` with every log, plot and file.
@@ -314,6 +315,8 @@ def bench(c: Campaign) -> None:
 #: model step first (where the decode step's time goes), then each op at its headline width
 GPU_BENCH = (
     ("attention", 40, None),
+    # whole decode steps, eager and as one CUDA graph on a static cache (each graphed shape compiles)
+    ("decode", 100, None),
     ("moe", 45, None),
     # its first row compiles HF's model; the H200 run of 2026-12-04 measured nothing in 50 s
     ("model", 80, None),

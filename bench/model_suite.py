@@ -25,9 +25,9 @@ LLAMA3_8B_WIDTHS = dict(hidden_size=4096, intermediate_size=14336, num_attention
                         num_hidden_layers=2, max_position_embeddings=4096, rope_theta=500000.0)
 
 
-def _config(device: torch.device) -> Any:
+def _config(device: torch.device, layers: int = LLAMA3_8B_WIDTHS["num_hidden_layers"]) -> Any:
     vocab = 128256 if device.type != "cpu" else 32000
-    return AutoConfig.for_model("llama", vocab_size=vocab, **LLAMA3_8B_WIDTHS)
+    return AutoConfig.for_model("llama", vocab_size=vocab, **{**LLAMA3_8B_WIDTHS, "num_hidden_layers": layers})
 
 
 def _linear_params(model: torch.nn.Module) -> int:

@@ -204,3 +204,29 @@ def test_decode_host_counts_kernel_launches_not_views_allocations_or_syncs():
         x.sum().item()
     assert dict(counted.aten) == {"add": 1, "clone": 1, "add_": 1, "sum": 1}
     assert counted.syncs == 1
+
+
+def test_decode_suite_times_eager_and_compiled_static_steps_of_a_tiny_model():
+    """The decode suite's machinery on the CPU (its grid runs on GPUs only): eager steps on dynamic
+    caches, compiled steps on static ones (here without CUDA graphs), each cropped back."""
+    from transformers import AutoConfig
+
+    from bench import decode_suite
+
+    assert decode_suite.count(torch.device("cpu"), quick=True) == 0
+    said = []
+    assert list(decode_suite.run(torch.device("cpu"), quick=True, log=said.append)) == [] and "GPU only" in said[0]
+    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                  num_key_value_heads=2, num_hidden_layers=2, vocab_size=128)
+    torch._dynamo.reset()
+    rows = list(decode_suite.measure_decode(
+        torch.device("cpu"), [(2, 20)], config=config, log=said.append, only=lambda label: True,
+        dtype=torch.float32, graphed=dict(fullgraph=True, dynamic=False, backend="eager")))
+    assert [(r["op"], r["provider"]) for r in rows] == [
+        ("decode b2 ctx20", "hw_agnostic"), ("decode b2 ctx20", "hf_eager"),
+        ("decode graphed b2 ctx20", "hw_agnostic"), ("decode graphed b2 ctx20", "hf_graphs"),
+        ("decode graphed b2 ctx20", "hf_eager")]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["runs"] >= MIN_SAMPLES and row["tokens"] == 2 and row["width"] == 64
+        assert math.isclose(row["tokens_per_s"], 2 / (row["time_us"] * 1e-6))
