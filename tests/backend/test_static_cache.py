@@ -123,6 +123,35 @@ def test_generate_compiles_the_decode_step_when_its_compile_config_asks():
     assert backend.graphs == 1  # the prefill runs eagerly, every decode step in the one graph
 
 
+def test_recorded_attention_weights_on_static_pages_match_hf():
+    """The fallback path reads static pages back at the cache's whole capacity, as transformers'
+    static layer returns its keys, under the capacity-wide mask; the step after it is paged again."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.backend.models import config
+
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config("llama"), attn_implementation="eager").eval()
+    model = copy.deepcopy(reference)
+    rewire(model)
+    ids, prompt_mask = padded_prompt()
+    mask = torch.ones(2, 32, dtype=prompt_mask.dtype)
+    mask[:, : ids.shape[1]] = prompt_mask
+    ours, theirs = (StaticCache(config=m.config, max_cache_len=32) for m in (model, reference))
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=ours)
+        reference(ids, attention_mask=mask, past_key_values=theirs)
+        for step, record in enumerate((True, False)):
+            token = prompt(batch=2, length=1, seed=30 + step)
+            got = model(token, attention_mask=mask, past_key_values=ours, output_attentions=record)
+            want = reference(token, attention_mask=mask, past_key_values=theirs, output_attentions=record)
+            assert _relative(got.logits, want.logits) <= 1e-5
+            if record:
+                assert len(got.attentions) == len(want.attentions) == 2
+                for mine, hf in zip(got.attentions, want.attentions):
+                    assert_close(mine, hf.double(), torch.float32)
+
+
 def _stores(capacity: int) -> tuple[PagedKVCache, PagedKVCache]:
     common = dict(block_size=4, dtype=torch.float32, device="cpu")
     return PagedKVCache(3, 2, 8, **common), PagedKVCache(3, 2, 8, capacity=capacity, **common)
