@@ -22,8 +22,10 @@ device, updated in place: the positions seen (a 0-d tensor, as transformers' sta
 it), each row's length, and which positions hold a real token (``[B, capacity]``). A step then
 makes the same tensor calls on the same addresses whatever its position, with no host state that
 changes, so a decode step traces once under ``torch.compile`` and can be captured as one CUDA
-graph. The cost: each layer keeps and updates its own counters (a dynamic store shares a step's
-metadata among its model's layers), and the attention kernel's length hint is the capacity.
+graph. Eager code keeps its own count of the positions (:meth:`PagedKVCache.host_seen`), read
+back from the device only after steps that ran in a graph. The cost: each layer keeps and updates
+its own counters (a dynamic store shares a step's metadata among its model's layers), and the
+attention kernel's length hint is the capacity.
 
 :class:`PagedAttention` is the layer. It takes over an attention module that follows the
 Hugging Face pattern (projections, norms and rotary embedding in the module, then
@@ -138,9 +140,24 @@ class PagedKVCache:
     def static(self) -> bool:
         return self.capacity is not None
 
+    def on_device_only(self) -> bool:
+        """Whether this step is traced or captured: a static store's counters are then read and
+        written on the device alone."""
+        return torch.compiler.is_compiling() or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+    def host_seen(self) -> int:
+        """A static store's positions seen, for eager code: read from the device only after a step
+        that ran in a graph."""
+        if self._host_seen is None:
+            self._host_seen = int(self.seen)
+        return self._host_seen
+
     def _make_static(self, capacity: int) -> None:
         self._reserve(capacity)
         self.seen = torch.zeros((), dtype=torch.int64, device=self.device)
+        # What eager code knows of ``seen`` without reading the device: None after a step that ran
+        # in a compiled graph or a CUDA graph capture (their replays advance ``seen`` on the device).
+        self._host_seen: Optional[int] = 0
         self.kv_lens = torch.zeros(self.batch_size, dtype=torch.int32, device=self.device)
         self.real = torch.zeros(self.batch_size, capacity, dtype=torch.bool, device=self.device)
         self._mark_static()
@@ -216,20 +233,21 @@ class PagedKVCache:
         """:meth:`append` on a static store: the step's metadata computed from the device counters,
         which are then advanced in place.
 
-        A compiled step reads no host state. An eager one (a prefill, a step outside a graph) reads
-        the positions seen once, to check the capacity and to share the step's layout with the
-        other layers (on a GPU that is a synchronisation per layer: graphs are what static stores
-        are for)."""
+        A compiled or captured step reads no host state. An eager one (a prefill, a step outside a
+        graph) checks the capacity and shares the step's layout with the other layers by the
+        positions seen as eager code has kept them (:meth:`host_seen`: read from the device once
+        after graphed steps)."""
         batch_size, q_len = key.shape[0], key.shape[1]
         assert self._row_start is not None and self.block_table is not None and self.real is not None
-        compiling = torch.compiler.is_compiling()
+        compiling = self.on_device_only()
         if compiling:
+            self._host_seen = None
             positions = self.seen + torch.arange(q_len, device=self.device)
             fits = positions < self.capacity
             torch._assert_async(fits.all(), self._past_capacity())
             layout = _step_layout(real, q_len, batch_size, self.device)
         else:
-            start = int(self.seen)
+            start = self.host_seen()
             if start + q_len > self.capacity:
                 raise ValueError(f"{self._past_capacity()}: {start} positions seen, a step of {q_len}")
             # (a static cache's mask always spans the capacity, so a step always comes with its
@@ -251,6 +269,7 @@ class PagedKVCache:
             self.real.index_copy_(1, positions.clamp(max=self.capacity - 1), written)
         else:
             self.real[:, start:start + q_len] = True if layout.real is None else layout.real
+            self._host_seen = start + q_len
         self.kv_lens.add_(layout.counts)
         self.seen.add_(q_len)
         return PagedBatch(self.k_pages, self.v_pages, self.block_table, layout.cu_seqlens_q, self.kv_lens, q_len,
@@ -360,6 +379,8 @@ class PagedKVCache:
         if tokens <= 0:
             return
         self.seen.sub_(tokens).clamp_(min=0)
+        if self._host_seen is not None:
+            self._host_seen = max(self._host_seen - tokens, 0)
         dropped = self.real & (torch.arange(self.real.shape[1], device=self.device) >= self.seen)
         self.kv_lens.sub_(dropped.sum(1, dtype=torch.int32))
         self.real.logical_and_(~dropped)
@@ -370,6 +391,7 @@ class PagedKVCache:
             self.seen.zero_()
             self.kv_lens.zero_()
             self.real.zero_()
+            self._host_seen = 0
             return
         self.seen = 0
         self.real = None

@@ -101,8 +101,16 @@ def test_decode_steps_trace_once_across_blocks_on_fixed_addresses():
             got = compiled(token, attention_mask=mask, past_key_values=ours).logits
             want = reference(token, attention_mask=mask, past_key_values=theirs).logits
             assert _relative(got, want) <= 1e-5, step
+        # an eager step after the graphed ones: what eager code knew of the positions is stale
+        token = prompt(batch=2, length=1, seed=99)
+        got = model(token, attention_mask=mask, past_key_values=ours).logits
+        want = reference(token, attention_mask=mask, past_key_values=theirs).logits
+        assert _relative(got, want) <= 1e-5
+    for store in stores:  # its bookkeeping went where the device counters say
+        assert store.host_seen() == int(store.seen) == 2 * block + 2
+        assert torch.equal(store.real.sum(1, dtype=torch.int32), store.kv_lens)
     assert backend.graphs == 1
-    assert int(ours.get_seq_length()) == int(theirs.get_seq_length()) == 2 * block + 1
+    assert int(ours.get_seq_length()) == int(theirs.get_seq_length()) == 2 * block + 2
     assert addresses == [(s.k_pages.data_ptr(), s.v_pages.data_ptr(), s.seen.data_ptr(), s.kv_lens.data_ptr())
                          for s in stores]
 
