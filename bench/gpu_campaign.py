@@ -191,7 +191,8 @@ def tests(c: Campaign) -> None:
         return
     # -v: a line per test as it ends, so a run cut short still says what passed and failed
     command = [sys.executable, "-m", "pytest", "-v", "--tb=short", "-rfE", "-p", "no:cacheprovider", "-n", "8",
-               "-m", "gpu or dsl", f"--junitxml={report}", "tests/test_gpu.py", "tests/ops"]
+               "-m", "gpu or dsl", f"--junitxml={report}", "tests/test_gpu.py", "tests/ops",
+               "tests/backend/test_static_cache.py"]
     c.run(Phase("tests", 130), command, log_name="tests.log")
 
 

@@ -238,8 +238,9 @@ def test_the_kernel_reads_a_static_batch_as_a_growing_one():
     assert_close(got, attend(query, grown, scale=0.25).double(), torch.float32)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: captures the decode step as a CUDA graph")
+@pytest.mark.gpu
 def test_the_decode_step_replays_as_a_cuda_graph():
+    """Run by the GPU campaign's test phase (``-m "gpu or dsl"``)."""
     model, reference = _pair(device="cuda")
     ours, theirs = (StaticCache(config=m.config, max_cache_len=64) for m in (model, reference))
     torch._dynamo.reset()
