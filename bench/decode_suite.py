@@ -97,7 +97,9 @@ def measure_decode(device: torch.device, shapes: list[tuple[int, int]], *, confi
             for name, model in (("hf_eager", hf), ("hw_agnostic", ours)):
                 steps[name] = _prefilled(model, model, DynamicCache(config=hf.config), prompt, token)
         if only(graphed_label):
-            with torch.no_grad():  # a CUDA graph's static inputs must not be inference tensors
+            # under no_grad, as generate() steps: the graphed steps update the static caches in place,
+            # which inference tensors (a prefill under inference_mode) allow only inside inference_mode
+            with torch.no_grad():
                 for name, model in (("hw_agnostic_graphed", ours), ("hf_graphs", hf)):
                     cache = StaticCache(config=hf.config, max_cache_len=context + 16)
                     steps[name] = _prefilled(model, compiled[name.removesuffix("_graphed")], cache, prompt, token,
