@@ -212,7 +212,8 @@ def test_a_step_past_a_static_capacity_raises_and_writes_nothing():
     pages = fixed.k_pages.clone()
     with pytest.raises(ValueError, match="static capacity of 6 .*: 5 positions seen, a step of 2"):
         fixed.append(torch.randn(3, 2, 2, 8), torch.randn(3, 2, 2, 8))
-    assert torch.equal(fixed.k_pages.view(3, -1, 2, 8)[:, 6:], pages.view(3, -1, 2, 8)[:, 6:])
+    # bit for bit: pages nothing wrote hold whatever the allocator left, NaN patterns included
+    assert torch.equal(fixed.k_pages.view(torch.uint8), pages.view(torch.uint8))
     with pytest.raises(ValueError, match="capacity must be a positive int"):
         PagedKVCache(1, 1, 8, dtype=torch.float32, device="cpu", capacity=0)
 
