@@ -116,7 +116,8 @@ class PagedKVCache:
         if block_size < 1:
             raise ValueError(f"PagedKVCache: block_size must be >= 1, got {block_size}")
         if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
-            raise ValueError(f"PagedKVCache: capacity must be a positive int (tokens per row) or None, got {capacity!r}")
+            raise ValueError(
+                f"PagedKVCache: capacity must be a positive int (tokens per row) or None, got {capacity!r}")
         self.batch_size, self.num_kv_heads, self.head_dim = batch_size, num_kv_heads, head_dim
         self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
         # The metadata this layer computes alike with the other layers of its model (see StepShare).
@@ -143,7 +144,9 @@ class PagedKVCache:
     def on_device_only(self) -> bool:
         """Whether this step is traced or captured: a static store's counters are then read and
         written on the device alone."""
-        return torch.compiler.is_compiling() or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        if torch.compiler.is_compiling():
+            return True
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def host_seen(self) -> int:
         """A static store's positions seen, for eager code: read from the device only after a step

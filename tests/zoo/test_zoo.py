@@ -2,7 +2,7 @@
 
 For each family that builds offline at tiny size (:mod:`tests.zoo.families`), fp32: ``rewire``
 must leave the model computing what it computed (logits of a left-padded batch within the
-tolerance table, 16 greedy tokens identical), never raise, and its report must explain every
+tolerance table, 16 greedy tokens identical, also on a ``StaticCache``), never raise, and its report must explain every
 norm, MLP and attention module it did not replace. Families that cannot be built or run offline
 at tiny size even without rewiring are listed in :data:`tests.zoo.families.UNBUILDABLE` with why;
 the test fails if one of them starts working (take it off the list) or another one stops.
@@ -36,11 +36,18 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _run(model, ids, mask, new_tokens: int = NEW_TOKENS):
+    """Logits, greedy tokens, and greedy tokens on a ``StaticCache`` (or the error transformers
+    raised for one: a family without static-cache support)."""
+    greedy = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  pad_token_id=0)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask).logits
-        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                do_sample=False, pad_token_id=0)
-    return logits, tokens
+        tokens = model.generate(ids, **greedy)
+        try:
+            static = model.generate(ids, cache_implementation="static", **greedy)
+        except Exception as err:
+            static = type(err).__name__
+    return logits, tokens, static
 
 
 def _original(family: str):
@@ -73,11 +80,11 @@ def test_rewire_never_makes_a_family_wrong(family):
         assert family in UNBUILDABLE, f"{family} does not build or run offline at tiny size: {outcome}"
         pytest.skip(f"cannot be built offline: {UNBUILDABLE[family]}")
     assert family not in UNBUILDABLE, f"{family} builds and runs now: take it off UNBUILDABLE"
-    want_logits, want_tokens = outcome
+    want_logits, want_tokens, want_static = outcome
     model = copy.deepcopy(original)
     report = rewire(model)
     ids, mask = _inputs()
-    got_logits, got_tokens = _run(model, ids, mask)
+    got_logits, got_tokens, got_static = _run(model, ids, mask)
     real = mask.bool()
     # Two-sided, as the rewire's own verification: the original's logits are an fp32 computation
     # too, not a float64 evaluation (Gemma 4's norms take pow(ms, -0.5) where ours take rsqrt; the
@@ -85,5 +92,12 @@ def test_rewire_never_makes_a_family_wrong(family):
     problem = mismatch(got_logits[real], want_logits[real].double(), torch.float32, two_sided=True)
     assert problem is None, f"{family} computes something else after rewire: {problem}\n{report.table()}"
     assert torch.equal(got_tokens, want_tokens), f"{family}: greedy tokens differ after rewire\n{report.table()}"
+    # on a StaticCache (static pages where the kernel serves a layer): the same tokens, or the same refusal
+    if isinstance(want_static, str):
+        assert got_static == want_static, (
+            f"{family}: transformers raised {want_static} for a static cache, the rewired model {got_static}")
+    else:
+        assert isinstance(got_static, torch.Tensor) and torch.equal(got_static, want_static), (
+            f"{family}: greedy tokens on a static cache differ after rewire ({got_static})\n{report.table()}")
     assert all(e.detail for e in report.left), report.table()
     assert not _unexplained(model, report), f"{family}: the report does not explain {_unexplained(model, report)}"
