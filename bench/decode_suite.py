@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 from hw_agnostic import rewire
 
 from .model_suite import _config, _linear_params
+from .model_suite import _row as model_row
 from .timing import matmul_tflops, measure_all
 
 LAYERS = 4
@@ -138,11 +139,6 @@ def _prefilled(model: torch.nn.Module, stepping: Callable[..., Any], cache: Any,
 
 def _row(op: str, provider: str, timing: dict[str, Any], *, batch: int, context: int, width: int, params: int,
          dtype: torch.dtype, ceiling: float) -> dict[str, Any]:
-    time_us = timing.get("time_us", float("nan"))
-    return {
-        "suite": "decode", "op": op, "shape": f"b{batch}xctx{context}", "tokens": batch,
-        "width": width, "dtype": str(dtype).removeprefix("torch."), "provider": provider,
-        "ran": provider, "config_source": "", **timing, "bytes": 0, "gbps": float("nan"),
-        "tokens_per_s": batch / (time_us * 1e-6), "tflops": 2 * params * batch / (time_us * 1e-6) / 1e12,
-        "matmul_tflops": ceiling,
-    }
+    row = model_row(op, batch, provider, timing, params, dtype, ceiling, suite="decode",
+                    shape=f"b{batch}xctx{context}", width=width)
+    return {**row, "tokens_per_s": batch / (timing["time_us"] * 1e-6)}

@@ -91,9 +91,11 @@ def _decode_step(model: Any, ids: torch.Tensor, cache: DynamicCache) -> torch.Te
 
 
 def _row(op: str, tokens: int, provider: str, timing: dict[str, float], params: int, dtype: torch.dtype,
-         ceiling: float) -> dict:
+         ceiling: float, *, suite: str = "model", shape: str | None = None,
+         width: int = LLAMA3_8B_WIDTHS["hidden_size"]) -> dict:
+    """A whole-model step's row (the decode suite's too): TFLOP/s of its linear layers."""
     return {
-        "suite": "model", "op": op, "shape": op.split()[-1], "tokens": tokens, "width": LLAMA3_8B_WIDTHS["hidden_size"],
+        "suite": suite, "op": op, "shape": shape or op.split()[-1], "tokens": tokens, "width": width,
         "dtype": str(dtype).removeprefix("torch."), "provider": provider, "ran": provider, "config_source": "",
         **timing, "bytes": 0, "gbps": float("nan"),
         "tflops": 2 * params * tokens / (timing["time_us"] * 1e-6) / 1e12, "matmul_tflops": ceiling,

@@ -176,7 +176,7 @@ def _mask_refusal(batch: PagedBatch, mask: Any, q_len: int, window: Optional[int
     if torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     # A static store's counters are its own (each layer's): its step is told apart by the positions seen
-    state = ("static", store.host_seen()) if store.static else (store.real, store.seen)
+    state = ("static", store.positions()) if store.static else (store.real, store.seen)
     agrees = store.share.once(("interface mask", mask, *state, q_len, window),
                               lambda: _is_the_kernels_mask(mask, store, q_len, window), versioned=True)
     if agrees:
@@ -187,9 +187,8 @@ def _mask_refusal(batch: PagedBatch, mask: Any, q_len: int, window: Optional[int
 
 
 def _is_the_kernels_mask(mask: Tensor, store: PagedKVCache, q_len: int, window: Optional[int]) -> bool:
-    bias, seen, real = _additive(mask), store.seen, store.real
-    if store.static:  # its counters live on the device (an eager step: this check is not made while compiling)
-        seen = store.host_seen()
+    bias, seen, real = _additive(mask), store.positions(), store.real
+    if store.static:  # its map spans the capacity (an eager step: this check is not made while compiling)
         real = real[:, :seen]
     width = bias.shape[-1]
     if width > seen:  # columns past the positions seen (a static cache's capacity) must hide their keys
@@ -543,9 +542,7 @@ def paged_layer_of(cache: Any, index: int, block_size: int, windowed: bool = Tru
 def store_step(state: Any, paged: PagedCacheLayer, key_states: Tensor, value_states: Tensor,
                mask: Any) -> PagedBatch:
     """Write a step ``[B, Hkv, q, D]`` into ``paged``, its padding read from ``mask``."""
-    past, q_len = paged.get_seq_length(), key_states.shape[2]
-    if isinstance(past, Tensor) and not paged.store.on_device_only():
-        past = paged.store.host_seen()  # a static store's counter as eager code knows it: its layers share the padding
+    past, q_len = (0 if paged.store is None else paged.store.positions()), key_states.shape[2]
     if state.unservable is not None or mask is None:  # no padding to read; or its masks are not the
         real = None  # kernel's: its own attention, every token kept
     else:

@@ -148,6 +148,13 @@ class PagedKVCache:
             return True
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
+    def positions(self) -> Any:
+        """The positions seen as the calling code may read them: an int, except inside a traced or
+        captured step on a static store (its 0-d tensor on the device)."""
+        if not self.static or self.on_device_only():
+            return self.seen
+        return self.host_seen()
+
     def host_seen(self) -> int:
         """A static store's positions seen, for eager code: read from the device only after a step
         that ran in a graph."""
