@@ -238,9 +238,48 @@ def test_generate_batch_matches_hf_eager(family, forbid_hf_attention):
         got = _generate_batch(model, prompts, new_tokens)
     assert got == want, f"{family}: continuous batching differs from HF eager"
     assert _ran(record, "paged_attention")
-    # Full-attention layers write into transformers' pages themselves; Mistral's layers are all
-    # sliding, whose ring buffers the cache writes (see hw_agnostic.backend.attention).
-    assert bool(_ran(record, "write_kv_cache")) == (family != "mistral")
+    # Full-attention layers write into transformers' pages themselves, sliding layers into their
+    # ring buffers in decode-only steps (see hw_agnostic.backend.attention).
+    assert _ran(record, "write_kv_cache")
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_decode_steps_read_sliding_windows_in_place(family, monkeypatch):
+    """A step whose queries are all single tokens reads each sliding layer's window from its ring
+    buffer: transformers' gather (``SlidingAttentionCacheAllocator.update``: ``index_select`` of every
+    window) runs only in steps with longer queries, and the tokens stay HF's."""
+    from transformers.generation.continuous_batching.cache_allocators.sliding_attention import (
+        SlidingAttentionCacheAllocator,
+    )
+
+    from hw_agnostic.backend import attention as backend_attention
+
+    model, reference = tiny_model(family)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (21, 5, 9)]
+    with torch.no_grad():
+        want = [reference.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, pad_token_id=0,
+                                   eos_token_id=-1)[0, len(p):].tolist() for p in prompts]
+    enable_paged_attention(model)
+    steps = []  # (longest query of the step, whether it gathered the window)
+    binding_update = backend_attention._ContinuousBatchingBinding.update
+    gather = SlidingAttentionCacheAllocator.update
+
+    def update(self, *args, kwargs=None, **extra):
+        steps.append([None if kwargs is None else int(kwargs["max_length_q"]), False])
+        return binding_update(self, *args, kwargs=kwargs, **extra)
+
+    def gathering(self, *args, **kwargs):
+        steps[-1][1] = True
+        return gather(self, *args, **kwargs)
+
+    monkeypatch.setattr(backend_attention._ContinuousBatchingBinding, "update", update)
+    monkeypatch.setattr(SlidingAttentionCacheAllocator, "update", gathering)
+    with torch.no_grad():
+        got = _generate_batch(model, prompts, 24, max_batch_tokens=8)  # 24 tokens: past the window of 16
+    assert got == want, f"{family}: continuous batching differs from HF eager"
+    assert any(longest == 1 for longest, _ in steps) and any(gathered for _, gathered in steps)
+    assert not [step for step in steps if step == [1, True]], "a decode-only step gathered a sliding window"
 
 
 # --------------------------------------------------------------------------------------------

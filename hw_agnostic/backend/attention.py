@@ -32,9 +32,10 @@ kernel:
   cache's page views are exactly ``[num_pages, page_size, kv_heads, head_dim]``, its write indices
   are slots, and the block table is recovered per forward from its read indices with one small
   gather of ints (``ceil(max_len / page)`` entries per sequence); K/V are never gathered.
-  Sliding-window layers of that cache are ring buffers that a prefill chunk overwrites while it
-  still needs them, so those layers read their window through the cache's own index path
-  (at most ``window - 1 + chunk`` tokens per sequence) and attend with our kernel over it.
+  Sliding-window layers of that cache are ring buffers: a decode-only step writes its tokens and
+  reads each window where the ring holds it; a prefill chunk overwrites keys it still needs, so
+  steps with longer queries read the window through the cache's own index path (a copy of at
+  most ``window - 1 + chunk`` tokens per sequence) and attend with our kernel over it.
 * no cache (``use_cache=False``): the module's cache code does not run (as in transformers); the
   attention function pages the K/V it receives for that one forward.
 
@@ -624,7 +625,12 @@ class _ContinuousBatchingBinding:
             batch = self._paged(share, allocator, layer_idx, key_states, value_states, cu_q, cu_k, max_q, int(max_k),
                                 kwargs)
         else:
-            batch = self._windowed(layer_idx, key_states, value_states, cu_q, max_q, kwargs)
+            batch = None
+            if max_q == 1:
+                batch = self._window_in_place(allocator, layer_idx, key_states, value_states, cu_q, cu_k, int(max_k),
+                                              kwargs)
+            if batch is None:
+                batch = self._windowed(layer_idx, key_states, value_states, cu_q, max_q, kwargs)
         batch.key_states, batch.value_states = key_states, value_states
         self.layer.__dict__[_STATE].pending = batch
         return key_states, value_states
@@ -645,6 +651,32 @@ class _ContinuousBatchingBinding:
                                lambda: _block_table(read_index, write_index, cu_q, cu_k, max_k, page))
         lengths = share.once(("lengths", cu_k), lambda: cu_k[1:] - cu_k[:-1])
         return PagedBatch(k_pages, v_pages, table, cu_q, lengths, max_q, max_k)
+
+    def _window_in_place(self, allocator: Any, layer_idx: int, key_states: Tensor, value_states: Tensor,
+                         cu_q: Tensor, cu_k: Tensor, max_k: int, kwargs: dict) -> PagedBatch | None:
+        """A decode-only step of a sliding-window layer, read where its ring buffer holds it (None: the
+        cache is not the ring buffer this reads, or the step has no cached keys).
+
+        The ring keeps position ``p`` at slot ``p % window``, so a decode step's new token overwrites
+        the one that has just left its window: written first, the window is the ring's own slots,
+        one-token blocks read through a table of the cache's read indices (the new token's sentinel
+        replaced by its write index), instead of ``index_select`` copying every sequence's window
+        out. A step with longer queries reads through :meth:`_windowed`: a chunk's later tokens
+        overwrite keys its earlier ones still see.
+        """
+        views, sentinel = getattr(allocator, "_kv_token_views", None), getattr(allocator, "sentinel_index", None)
+        read_index, write_index = kwargs["read_index"][allocator.index], kwargs["write_index"][allocator.index]
+        if views is None or sentinel is None or read_index.numel() == 0:
+            return None
+        k_tokens, v_tokens = views[layer_idx]  # [slots, Hkv, D], shifted views of one buffer
+        slots_in_both = min(k_tokens.shape[0], v_tokens.shape[0])  # every index the cache hands out
+        k_pages, v_pages = k_tokens[:slots_in_both, None], v_tokens[:slots_in_both, None]  # one-token blocks
+        write_kv_cache(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), k_pages, v_pages, write_index)
+        slots = read_index.masked_scatter(read_index == sentinel, write_index)
+        cu_k = cu_k.to(torch.int32)
+        columns = torch.arange(max(max_k, 1), device=cu_k.device, dtype=torch.int32)
+        table = slots[(cu_k[:-1, None] + columns).clamp_(max=slots.numel() - 1)].to(torch.int32)
+        return PagedBatch(k_pages, v_pages, table, cu_q, cu_k[1:] - cu_k[:-1], 1, max_k)
 
     def _windowed(self, layer_idx: int, key_states: Tensor, value_states: Tensor, cu_q: Tensor, max_q: int,
                   kwargs: dict) -> PagedBatch:
