@@ -15,6 +15,12 @@ backend on GPUs) and FlashAttention's varlen function when installed. FLOPs coun
 half, ``2 * 2 * S * Hq * D * L * (L + 1) / 2``; ``matmul_fraction`` divides TFLOP/s by the same
 run's bf16 matmul rate.
 
+Mixed (``op = "paged_attention mixed"``, GPUs): one prompt of ``tokens`` tokens beside ``width``
+decode steps over ``MIXED_CONTEXT`` keys each, as one batch (continuous batching's step). Baseline
+``hw_agnostic_apart``: the same two parts as two calls (the prompt alone, the decode steps alone);
+at about 1.0x the mixed call launches the work its sequences need, not the prompt's blocks for
+every decode step.
+
 ``write_kv_cache`` rows (``op = "write_kv_cache"``) time a decode step's and a prefill's cache write.
 
 Shapes follow Llama-3-8B (32 query heads, 8 KV heads, head dim 128, block size 16). The CPU (where
@@ -37,19 +43,24 @@ from .timing import measure_all, timed_row
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 MAX_CACHE_BYTES = 24 << 30  # per K or V cache: keeps the largest GPU rows (and SDPA's copy) in memory
+MIXED_CONTEXT = 2048  # keys of each decode step beside a mixed row's prompt
 
 
 def _grid(device: torch.device, quick: bool) -> list[tuple[str, int, int]]:
+    mixed: list[tuple[int, int]] = []  # (decode steps, prompt tokens)
     if device.type == "cpu":
         decode = [(b, c) for b in (1, 8) for c in ((512,) if quick else (512, 2048))]
         prefill = [(1, 256)] if quick else [(1, 512), (2, 256)]
     elif quick:
         decode = [(b, c) for b in (1, 64) for c in (2048, 8192)]
         prefill = [(1, 2048), (4, 2048)]
+        mixed = [(63, 512)]
     else:
         decode = [(b, c) for b in (1, 8, 64, 256) for c in (512, 2048, 8192, 32768)]
         prefill = [(s, t) for s in (1, 4, 8) for t in (512, 2048, 8192)]
-    return [("decode", b, c) for b, c in decode] + [("prefill", s, t) for s, t in prefill]
+        mixed = [(d, t) for d in (15, 63, 255) for t in (512, 2048)]
+    return ([("decode", b, c) for b, c in decode] + [("prefill", s, t) for s, t in prefill]
+            + [("mixed", d, t) for d, t in mixed])
 
 
 def _paged_cache(seqs: int, context: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -146,6 +157,37 @@ def _prefill(seqs: int, length: int, dtype: torch.dtype, device: torch.device) -
     return candidates, {"bytes": moved, "flops": flops}, args
 
 
+def _mixed(decodes: int, prompt: int, dtype: torch.dtype, device: torch.device) -> tuple[dict, dict, tuple]:
+    longest = max(prompt, MIXED_CONTEXT)
+    k_cache, v_cache, table = _paged_cache(decodes + 1, longest, dtype, device)
+    q = torch.randn(prompt + decodes, Q_HEADS, HEAD_DIM, device=device, dtype=dtype)
+    q_lens, kv_lens = [prompt] + [1] * decodes, [prompt] + [MIXED_CONTEXT] * decodes
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=device, dtype=torch.int32)
+    lens = torch.tensor(kv_lens, device=device, dtype=torch.int32)
+    args = (q, k_cache, v_cache, table, cu, lens, HEAD_DIM**-0.5, None, None, None, prompt, longest)
+    # the parts: the prompt's queries and the decode steps', each with its sequences' metadata
+    prompt_cu = torch.tensor([0, prompt], device=device, dtype=torch.int32)
+    decode_cu = torch.arange(decodes + 1, device=device, dtype=torch.int32)
+    q_prompt, q_decode = q[:prompt], q[prompt:]
+
+    def apart() -> tuple[torch.Tensor, torch.Tensor]:
+        return (paged_attention(q_prompt, k_cache, v_cache, table[:1], prompt_cu, lens[:1], max_q_len=prompt,
+                                max_kv_len=prompt),
+                paged_attention(q_decode, k_cache, v_cache, table[1:], decode_cu, lens[1:], max_q_len=1,
+                                max_kv_len=MIXED_CONTEXT))
+
+    candidates: dict[str, Callable[[], Any]] = {
+        "hw_agnostic": lambda: paged_attention(q, k_cache, v_cache, table, cu, lens, max_q_len=prompt,
+                                               max_kv_len=longest),
+        "hw_agnostic_apart": apart,
+    }
+    element = q.element_size()
+    keys = prompt + decodes * MIXED_CONTEXT
+    moved = 2 * q.numel() * element + 2 * keys * KV_HEADS * HEAD_DIM * element
+    flops = 2 * 2 * Q_HEADS * HEAD_DIM * (prompt * (prompt + 1) / 2 + decodes * MIXED_CONTEXT)
+    return candidates, {"bytes": moved, "flops": flops}, args
+
+
 def _write(tokens: int, dtype: torch.dtype, device: torch.device) -> tuple[Callable[[], Any], int, tuple]:
     blocks = -(-tokens // BLOCK_SIZE) + 1
     k_cache = torch.zeros(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
@@ -167,7 +209,7 @@ def _write_tokens(device: torch.device) -> tuple[int, ...]:
 
 def count(device: torch.device, quick: bool, only: Callable[[str], bool] = lambda label: True) -> int:
     providers = 2 if device.type == "cpu" else 4  # hw_agnostic and SDPA; FlashAttention, FlashInfer on GPUs
-    attention = providers * sum(only(_label(*item)) for item in _grid(device, quick))
+    attention = sum((2 if item[0] == "mixed" else providers) * only(_label(*item)) for item in _grid(device, quick))
     return attention + sum(only(f"write_kv_cache {t}") for t in _write_tokens(device))
 
 
@@ -182,10 +224,10 @@ def run(device: torch.device, *, quick: bool, log: Callable[[str], None],
         if cache_bytes > MAX_CACHE_BYTES:
             log(f"[{index}/{len(grid)}] skip {kind} {count}x{length}: {cache_bytes / 2**30:.0f} GiB per cache")
             continue
-        log(f"[{index}/{len(grid)}] {_label(kind, count, length)} ({'batch' if kind == 'decode' else 'seqs'}={count} "
-            f"{'context' if kind == 'decode' else 'tokens'}={length})")
+        names = {"decode": ("batch", "context"), "prefill": ("seqs", "tokens"), "mixed": ("decodes", "prompt")}[kind]
+        log(f"[{index}/{len(grid)}] {_label(kind, count, length)} ({names[0]}={count} {names[1]}={length})")
         with torch.inference_mode():
-            build = _decode if kind == "decode" else _prefill
+            build = {"decode": _decode, "prefill": _prefill, "mixed": _mixed}[kind]
             candidates, work, args = build(count, length, dtype, device)
             plan = paged_attention_op.plan(*args)
             tokens, width = (count, length) if kind == "decode" else (length, count)

@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 
 BASELINES = ("hf_eager", "hf_compile", "hf_graphs", "hf_grouped_mm", "liger", "torch_sdpa", "flash_attn", "flashinfer",
-             "copy")
+             "hw_agnostic_apart", "copy")
 NOISY_SPREAD = 0.20
 GROUP = ["suite", "op", "shape", "dtype"]
 #: ops whose 4096-token rows must reach this fraction of a same-size copy (the issue's bar)

@@ -230,3 +230,16 @@ def test_decode_suite_times_eager_and_compiled_static_steps_of_a_tiny_model():
         assert "error" not in row, row
         assert row["runs"] >= MIN_SAMPLES and row["tokens"] == 2 and row["width"] == 64
         assert math.isclose(row["tokens_per_s"], 2 / (row["time_us"] * 1e-6))
+
+
+def test_a_mixed_attention_row_computes_what_its_parts_compute(monkeypatch):
+    """The mixed rows' baseline is the same attention: the prompt's and the decode steps' outputs of
+    the two separate calls are the mixed call's rows (GPU rows; checked here on the CPU's reference)."""
+    from bench import attention_suite
+
+    monkeypatch.setattr(attention_suite, "MIXED_CONTEXT", 40)
+    candidates, work, args = attention_suite._mixed(3, 20, torch.float32, torch.device("cpu"))
+    assert set(candidates) == {"hw_agnostic", "hw_agnostic_apart"} and work["bytes"] > 0 and work["flops"] > 0
+    mixed = candidates["hw_agnostic"]()
+    prompt, decodes = candidates["hw_agnostic_apart"]()
+    torch.testing.assert_close(torch.cat([prompt, decodes]), mixed)

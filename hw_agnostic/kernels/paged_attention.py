@@ -16,10 +16,13 @@ Layouts (the op module builds these views without copying):
 * ``block_table [num_seqs, max_blocks]`` int32, ``cu_seqlens_q [num_seqs + 1]`` and
   ``kv_lens [num_seqs]`` int32.
 
-One program of :func:`_paged_attention` owns one sequence, one KV head, one KV split and a tile of
-*packed* query rows: row ``p`` is query token ``p // group`` of the sequence and query head
-``kv_head * group + p % group``, so the ``group`` query heads sharing a KV head share every K/V
-load (GQA packing; a decode step still gives the dot products ``group`` rows). Query token ``i``
+One program of :func:`_paged_attention` owns one KV head, one KV split and a block of one
+sequence's *packed* query rows: row ``p`` is query token ``p // group`` of the sequence and query
+head ``kv_head * group + p % group``, so the ``group`` query heads sharing a KV head share every K/V
+load (GQA packing; a decode step still gives the dot products ``group`` rows). The blocks are laid
+out per sequence (:func:`query_grid`): as many as the longest sequence needs for each (a decode
+batch, one prompt), or, for a mixed batch, as many as each needs, a device map naming each
+block's sequence, so one long prompt does not give every decode step its number of programs. Query token ``i``
 of a sequence with ``q_len`` queries and ``kv_len`` keys sits at position ``kv_len - q_len + i``;
 it sees key ``j`` when ``j <= pos`` and, with a sliding window ``W``, ``j > pos - W``. The KV loop
 only visits the range some row of the tile can see (causal and window skipping).
@@ -56,7 +59,7 @@ over its keys adds them to exactly the rows that see them (:func:`_nonfinite_val
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -71,11 +74,12 @@ except Exception:  # Helion missing or broken: the ops fall back to the referenc
 _constexpr: Any = hl.constexpr if hl is not None else int
 
 
-def _slots(keys: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor, page: int, max_blocks: int,
-           num_slots: int) -> torch.Tensor:
-    """The cache slots of a sequence's keys through its block table, clamped into the cache."""
+def _slots(keys: torch.Tensor, seq: torch.Tensor, table: torch.Tensor, table_stride: int, page: int,
+           max_blocks: int, num_slots: int) -> torch.Tensor:
+    """The cache slots of a sequence's keys through its block table (a flat view, row ``s`` at
+    ``s * table_stride``: one index, as a sequence's index is a tensor), clamped into the cache."""
     column = torch.clamp(keys // page, 0, max_blocks - 1)
-    block = hl.load(block_table, [seq, column]).to(torch.int64)
+    block = hl.load(table, [seq * table_stride + column]).to(torch.int64)
     return torch.clamp(block * page + keys % page, 0, num_slots - 1)
 
 
@@ -127,44 +131,66 @@ def _paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
+    table: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     kv_lens: torch.Tensor,
     sinks: torch.Tensor,
+    block_seq: torch.Tensor,
     out: torch.Tensor,
     partial_out: torch.Tensor,
     partial_lse: torch.Tensor,
     scale: float,
     softcap: float,
     window: int,
-    packed_rows: int,
     num_splits: int,
+    packed_rows: int,
+    max_blocks: int,
+    table_stride: int,
+    rows_per_block: int,
+    blocks_per_seq: int,
+    grid_rows: int,
     group: _constexpr,
     page: _constexpr,
     has_softcap: _constexpr,
     split: _constexpr,
+    packed: _constexpr,
 ) -> None:
     num_seqs = kv_lens.size(0)
     num_kv_heads = k_cache.size(1)
     head_dim = hl.specialize(q.size(1))
     q_rows = q.size(0)
     num_slots = k_cache.size(0)
-    max_blocks = block_table.size(1)
+    # The host lays the grid out in blocks of `rows_per_block` rows: this block size (see `grid_block_rows`).
+    block_rows = hl.register_block_size(MIN_QUERY_ROWS, MAX_QUERY_ROWS)
     block_keys = hl.register_block_size(num_slots)  # one key tile for both passes over the keys
-    for tile_s, tile_h, tile_k, tile_p in hl.tile(
-        [num_seqs, num_kv_heads, num_splits, packed_rows], block_size=[1, 1, 1, None]
-    ):
-        seq = tile_s.begin
+    for tile_h, tile_k, tile_b in hl.tile([num_kv_heads, num_splits, grid_rows], block_size=[1, 1, block_rows]):
         kv_head = tile_h.begin
         split_id = tile_k.begin
+        # The query block this program owns, and its sequence (see `query_grid`).
+        # Tensors, not sizes: size arithmetic nests into expressions the Triton interpreter rejects.
+        block_begin = hl.full([], tile_b.begin, torch.int64)
+        block = block_begin // rows_per_block
+        if packed:
+            seq = hl.load(block_seq, [block]).to(torch.int64)
+            first_block = (hl.load(cu_seqlens_q, [seq]).to(torch.int64) * group
+                           + seq * (rows_per_block - 1)) // rows_per_block
+        else:
+            seq = block // blocks_per_seq
+            first_block = seq * blocks_per_seq
+        first_row = first_block * rows_per_block
+        # The sequence's packed rows this program owns, in 32 bits as the tile's own index was: 64-bit
+        # row vectors live through the key loop spilled registers at 64 x 128 on sm_80 and gfx1100.
+        packed_index = (tile_b.index - first_row).to(torch.int32)
+        packed_begin = block_begin - first_row
+        packed_end = packed_begin + block_rows
         dims = hl.arange(head_dim).to(torch.int64)
         dims_ok = dims < head_dim
         # Zeroes first: after the attention (with nothing else live) the compilers spilled more.
         if not split:  # with splits, the merge writes `out`
-            program = ((seq * num_kv_heads + kv_head) * num_splits + split_id) * tile_p.count + tile_p.id
+            program = (kv_head * num_splits + split_id) * tile_b.count + tile_b.id
             zero_begin, zero_end, head_end, tail_begin = _unowned_share(
                 cu_seqlens_q, num_seqs, num_kv_heads * group, q_rows, program,
-                num_seqs * num_kv_heads * num_splits * tile_p.count)
+                num_kv_heads * num_splits * tile_b.count)
             for tile_z in hl.tile(zero_begin, zero_end, block_size=block_keys):
                 spare = _unowned_row(tile_z.index, head_end, tail_begin)
                 hl.store(out, [spare, dims], hl.zeros([tile_z, head_dim], dtype=out.dtype),
@@ -173,10 +199,10 @@ def _paged_attention(
         q_start = cu_seqlens_q[seq]
         q_len = cu_seqlens_q[seq + 1] - q_start
         kv_len = kv_lens[seq]
-        token = tile_p.index // group
-        head = kv_head * group + tile_p.index % group
+        token = packed_index // group
+        head = kv_head * group + packed_index % group
         rows = (q_start + token).to(torch.int64) * (num_kv_heads * group) + head
-        row_ok = (token < q_len) & (rows >= 0) & (rows < q_rows)
+        row_ok = (packed_index >= 0) & (token < q_len) & (rows >= 0) & (rows < q_rows)
         q_tile = hl.load(q, [rows, dims], extra_mask=row_ok[:, None] & dims_ok[None, :])
         position = kv_len - q_len + token
 
@@ -184,23 +210,23 @@ def _paged_attention(
         chunk = (kv_len + num_splits - 1) // num_splits
         kv_begin = split_id * chunk
         kv_end = torch.minimum(kv_begin + chunk, kv_len)
-        kv_end = torch.minimum(kv_end, kv_len - q_len + ((tile_p.end - 1) // group + 1))
-        kv_begin = torch.maximum(kv_begin, kv_len - q_len + (tile_p.begin // group - window + 1))
-        # A tile past the sequence's queries (the grid is sized for the longest) has nothing to do.
-        kv_end = torch.where(q_len > tile_p.begin // group, kv_end, 0)
+        kv_end = torch.minimum(kv_end, kv_len - q_len + ((packed_end - 1) // group + 1))
+        kv_begin = torch.maximum(kv_begin, kv_len - q_len + (packed_begin // group - window + 1))
+        # A block past the sequence's queries (the grid's spare blocks) has nothing to do.
+        kv_end = torch.where((q_len > packed_begin // group) & (packed_begin >= 0), kv_end, 0)
         kv_begin = torch.minimum(kv_begin, kv_end)  # an empty range, never a reversed one
 
         if split:  # the merge adds the sinks
-            row_max = hl.full([tile_p], float("-inf"), dtype=torch.float32)
-            row_sum = hl.zeros([tile_p], dtype=torch.float32)
+            row_max = hl.full([tile_b], float("-inf"), dtype=torch.float32)
+            row_sum = hl.zeros([tile_b], dtype=torch.float32)
         else:  # no sinks: the op passes -inf logits
             row_max = hl.load(sinks, [head]).to(torch.float32) * 1.4426950408889634
             row_sum = torch.where(row_max == float("-inf"), 0.0, 1.0)
-        acc = hl.zeros([tile_p, head_dim], dtype=torch.float32)
-        unusual = hl.zeros([tile_p], dtype=torch.float32)  # NaN / infinite values met in V
+        acc = hl.zeros([tile_b, head_dim], dtype=torch.float32)
+        unusual = hl.zeros([tile_b], dtype=torch.float32)  # NaN / infinite values met in V
         for tile_n in hl.tile(kv_begin, kv_end, block_size=block_keys):
             keys = tile_n.index
-            slot = _slots(keys, seq, block_table, page, max_blocks, num_slots)
+            slot = _slots(keys, seq, table, table_stride, page, max_blocks, num_slots)
             # Slots past the sequence's keys (a block's unwritten tail) are never read.
             key_ok = (keys < kv_end)[:, None] & dims_ok[None, :]
             k_tile = hl.load(k_cache, [slot, kv_head, dims], extra_mask=key_ok)
@@ -231,7 +257,7 @@ def _paged_attention(
             # rescaling) to the rows that see them; apart from it, the hot loop stays as lean as before.
             for tile_r in hl.tile(kv_begin, kv_end, block_size=block_keys):
                 again = tile_r.index
-                v_again = hl.load(v_cache, [_slots(again, seq, block_table, page, max_blocks, num_slots), kv_head, dims],
+                v_again = hl.load(v_cache, [_slots(again, seq, table, table_stride, page, max_blocks, num_slots), kv_head, dims],
                                   extra_mask=(again < kv_end)[:, None] & dims_ok[None, :])
                 seen = (again[None, :] <= position[:, None]) & (again[None, :] > position[:, None] - window)
                 acc = acc + _nonfinite_values(seen & row_ok[:, None], v_again)
@@ -240,10 +266,11 @@ def _paged_attention(
         result = acc / normaliser[:, None]
         if split:
             lse = torch.where(row_sum == 0.0, float("-inf"), row_max + torch.log2(normaliser))
-            part = tile_p.index.to(torch.int64)
-            hl.store(partial_lse, [seq, kv_head, split_id, part], lse, extra_mask=row_ok)
-            hl.store(partial_out, [seq, kv_head, split_id, part, dims], result,
-                     extra_mask=row_ok[:, None] & dims_ok[None, :])
+            # Flat partial rows (a sequence's index is a tensor here, which Helion cannot broadcast
+            # beside two tensor indices): the merge reads them as [seqs, kv heads, splits, packed rows].
+            part = ((seq * num_kv_heads + kv_head) * num_splits + split_id) * packed_rows + packed_index.to(torch.int64)
+            hl.store(partial_lse, [part], lse, extra_mask=row_ok)
+            hl.store(partial_out, [part, dims], result, extra_mask=row_ok[:, None] & dims_ok[None, :])
         else:
             hl.store(out, [rows, dims], result.to(out.dtype), extra_mask=row_ok[:, None] & dims_ok[None, :])
 
@@ -295,6 +322,67 @@ def _merge_splits(
             acc = acc + torch.sum(weight[:, :, None] * part, dim=0)
         result = acc / torch.where(row_sum == 0.0, 1.0, row_sum)[:, None]
         hl.store(out, [rows, dims], result.to(out.dtype), extra_mask=row_ok[:, None] & dims_ok[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# the query grid
+
+
+#: Bounds of the query rows one program owns (the eager interpreter runs blocks of the maximum).
+MIN_QUERY_ROWS, MAX_QUERY_ROWS = 16, 256
+
+
+def grid_block_rows(config: Config, args: tuple[Any, ...], *, int64: bool) -> int:
+    """The block of query rows the attention kernel runs ``config`` with on arguments like ``args``,
+    which the host lays its grid out in: Helion's, not the config's (it raises a block below a dot's
+    minimum on the device: 16 on NVIDIA GPUs)."""
+    launched = paged_attention_kernel.launched_block_sizes(config, args, int64=int64)
+    return MAX_QUERY_ROWS if launched is None else launched[0]
+
+
+class QueryGrid(NamedTuple):
+    """How the programs of one (KV head, split) cover a batch's packed query rows, in blocks of
+    ``block_rows`` (see :func:`query_grid`)."""
+
+    packed: bool
+    blocks_per_seq: int  # the uniform layout's blocks per sequence
+    blocks: int
+
+    def rows(self, block_rows: int) -> int:
+        return self.blocks * block_rows
+
+
+def query_grid(*, num_seqs: int, tokens: int, max_q_len: int, group: int, block_rows: int) -> QueryGrid:
+    """The layout with fewer programs, from Python ints only (no device read).
+
+    *Uniform*: every sequence gets the blocks the longest one needs, ``ceil(max_q_len * group /
+    block_rows)``; sequence ``s`` owns blocks ``[s * m, (s + 1) * m)``. Exact for a decode batch
+    or one prompt, but a mixed batch (one 512-token prompt beside 63 decodes) would leave ~95% of
+    its programs idle.
+
+    *Packed*: sequence ``s`` starts at block ``(cu_seqlens_q[s] * group + s * (block_rows - 1)) //
+    block_rows``, so it owns at least ``ceil(q_len * group / block_rows)`` blocks (``floor(a + b) -
+    floor(a) >= floor(b)``) and the batch at most ``(tokens * group + num_seqs * (block_rows - 1))
+    // block_rows``; the device maps blocks to sequences (:func:`block_sequences`). The kernel
+    reads the start of its own sequence from ``cu_seqlens_q``, so both sides agree on every
+    block without the host knowing the query lengths.
+    """
+    per_seq = max(-(-max_q_len * group // block_rows), 1)
+    uniform = max(num_seqs * per_seq, 1)  # an empty batch still compiles (and launches nothing)
+    packed = (tokens * group + num_seqs * (block_rows - 1)) // block_rows
+    if 0 < packed < uniform:
+        return QueryGrid(True, per_seq, packed)
+    return QueryGrid(False, per_seq, uniform)
+
+
+def block_sequences(cu_seqlens_q: torch.Tensor, group: int, block_rows: int, blocks: int) -> torch.Tensor:
+    """``[blocks]`` int32: the sequence owning each block of a packed :func:`query_grid` (blocks past
+    the last sequence's go to it and find no rows)."""
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    index = torch.arange(max(blocks, num_seqs + 1), device=cu_seqlens_q.device)
+    first = (cu_seqlens_q.to(torch.int64) * group + index[:num_seqs + 1] * (block_rows - 1)) // block_rows
+    owner = torch.searchsorted(first, index[:blocks], right=True)
+    return owner.sub_(1).clamp_(0, max(num_seqs - 1, 0)).to(torch.int32)
 
 
 # fp32 dots in exact fp32: Triton's TF32 default would put fp32 attention outside the fp32 tolerance.

@@ -120,6 +120,16 @@ class HelionFunction:
             return functools.partial(host, _launcher=_launcher_with(tuple(self.launch_options.items())))
         return host
 
+    def launched_block_sizes(self, config: Config, args: tuple[Any, ...], *, int64: bool) -> list[int] | None:
+        """The block sizes Helion launches ``config`` with on arguments like ``args`` (it raises a block
+        below a dot's minimum on the device, for one); None under the eager interpreter, where a
+        registered block size is its maximum and the others span their dims."""
+        if interpreter_mode() == "helion":
+            return None
+        bound = self._kernel(int64, _size_class(config, args)).bind(args)
+        normalized = bound.config_spec.normalized_config(_fit_config(bound.config_spec, config))
+        return [int(size) for size in normalized.config["block_sizes"]]
+
 
 @functools.lru_cache(maxsize=None)
 def _launcher_with(options: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:

@@ -428,13 +428,18 @@ class _AttentionLaunch:
         q = args[0]
         self.programs = kernels.target_programs(q.device)
         self.placeholder = torch.zeros(1, dtype=torch.float32, device=q.device)  # stands in for absent partials
+        self.placeholder_index = torch.zeros(1, dtype=torch.int32, device=q.device)  # for an absent block map
+        # The configured rows until the kernel is bound (its launches do not depend on them), then Helion's.
+        self.block_rows = int(self.helion_config["block_sizes"][0])
         # No sinks: -inf logits, which join no softmax.
         self.no_sinks = torch.full((key.num_q_heads,), float("-inf"), dtype=torch.float32, device=q.device)
-        self._attention: dict[bool, Any] = {}
+        self._attention: dict[tuple[bool, bool], Any] = {}
         self._merges: dict[tuple, Any] = {}
         self.num_splits = self.splits_for(args)
+        attention_args, _ = self._arguments(*args, num_splits=self.num_splits)
+        self.block_rows = kernels.grid_block_rows(self.helion_config, attention_args, int64=key.int64)
         # Compiled now: the plan's first call pays for it.
-        self._launches(self._attention_args(*args, num_splits=self.num_splits), self.num_splits)
+        self._launches(*self._arguments(*args, num_splits=self.num_splits))
 
     def splits_for(self, args: tuple) -> int:
         if self.splits != "auto":
@@ -446,50 +451,64 @@ class _AttentionLaunch:
             programs=self.programs,
         )
 
-    def _launches(self, launch_args: tuple, num_splits: int) -> tuple[Any, Any]:
-        """The attention kernel and merge (None without splits) for ``num_splits``, compiled on first use."""
-        split = num_splits > 1
-        attention = self._attention.get(split)
+    def _launches(self, attention_args: tuple, merge_args: tuple | None) -> tuple[Any, Any]:
+        """The attention kernel (per split and grid variant) and the merge (None without splits),
+        compiled on first use."""
+        variant = (merge_args is not None, attention_args[-1])
+        attention = self._attention.get(variant)
         if attention is None:
-            attention = self._attention[split] = kernels.paged_attention_kernel.compile(
-                self.helion_config, launch_args, int64=self.key.int64)
+            attention = self._attention[variant] = kernels.paged_attention_kernel.compile(
+                self.helion_config, attention_args, int64=self.key.int64)
         merge = None
-        if split:
-            merge_config = kernels.merge_config(num_splits, launch_args[13])
-            variant = tuple(merge_config["block_sizes"])
-            merge = self._merges.get(variant)
+        if merge_args is not None:
+            _, _, num_splits, packed_rows = merge_args[1].shape
+            merge_config = kernels.merge_config(num_splits, packed_rows)
+            shape = tuple(merge_config["block_sizes"])
+            merge = self._merges.get(shape)
             if merge is None:
-                merge = self._merges[variant] = kernels.merge_splits_kernel.compile(
-                    merge_config, self._merge_args(launch_args), int64=self.key.int64)
+                merge = self._merges[shape] = kernels.merge_splits_kernel.compile(
+                    merge_config, merge_args, int64=self.key.int64)
         return attention, merge
 
-    def _attention_args(
+    def _arguments(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
         kv_lens: Tensor, scale: float, sliding_window: Optional[int], softcap: Optional[float],
         sinks: Optional[Tensor], max_q_len: Optional[int], max_kv_len: Optional[int], out: Tensor | None = None,
         *, num_splits: int,
-    ) -> tuple:
+    ) -> tuple[tuple, tuple | None]:
+        """The attention kernel's arguments, and the merge's (None without splits)."""
         tokens, heads, head_dim = q.shape
         num_seqs = kv_lens.shape[0]
-        packed = (max_q_len if max_q_len is not None else tokens) * self.group
+        max_q_len = max_q_len if max_q_len is not None else tokens
+        packed = max_q_len * self.group  # the longest sequence's packed rows: the partials' and the merge's
+        grid = kernels.query_grid(num_seqs=num_seqs, tokens=tokens, max_q_len=max_q_len, group=self.group,
+                                  block_rows=self.block_rows)
+        block_seq = (kernels.block_sequences(cu_seqlens_q, self.group, self.block_rows, grid.blocks)
+                     if grid.packed else self.placeholder_index)
         if out is None:
             out = torch.zeros((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+        sinks = self.no_sinks if sinks is None else sinks
+        rows = out.view(tokens * heads, head_dim)
+        merge_args = None
         if num_splits > 1:
             shape = (num_seqs, self.key.num_kv_heads, num_splits, packed)
             partial_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
             partial_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
+            merge_args = (partial_out, partial_lse, cu_seqlens_q, sinks, rows, self.group)
+            # the attention kernel writes them as flat rows (see the kernel)
+            partial_out, partial_lse = partial_out.view(-1, head_dim), partial_lse.view(-1)
         else:
-            partial_lse = partial_out = self.placeholder
-        return (
-            q.reshape(tokens * heads, head_dim), slot_view(k_cache), slot_view(v_cache), block_table, cu_seqlens_q,
-            kv_lens, self.no_sinks if sinks is None else sinks, out.view(tokens * heads, head_dim),
-            partial_out, partial_lse, float(scale), float(softcap) if softcap is not None else 1.0,
-            int(sliding_window) if sliding_window is not None else NO_WINDOW, packed, num_splits,
-            self.group, self.key.block_size, self.key.softcap, num_splits > 1,
+            partial_out, partial_lse = self.placeholder.view(1, 1), self.placeholder
+        table, table_stride = _flat_table(block_table)
+        attention_args = (
+            q.reshape(tokens * heads, head_dim), slot_view(k_cache), slot_view(v_cache), table, cu_seqlens_q,
+            kv_lens, sinks, block_seq, rows, partial_out, partial_lse, float(scale),
+            float(softcap) if softcap is not None else 1.0,
+            int(sliding_window) if sliding_window is not None else NO_WINDOW, num_splits, packed,
+            max(block_table.shape[1], 1), table_stride, self.block_rows, grid.blocks_per_seq, grid.rows(self.block_rows),
+            self.group, self.key.block_size, self.key.softcap, num_splits > 1, grid.packed,
         )
-
-    def _merge_args(self, launch_args: tuple) -> tuple:
-        return (launch_args[8], launch_args[9], launch_args[4], launch_args[6], launch_args[7], self.group)
+        return attention_args, merge_args
 
     def __call__(self, *args: Any) -> Tensor:
         q = args[0]
@@ -499,12 +518,24 @@ class _AttentionLaunch:
         # Not zero-filled: the kernel writes every row, those no sequence owns as zeros.
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self.num_splits = self.splits_for(args)
-        launch_args = self._attention_args(*args, out=out, num_splits=self.num_splits)
-        attention, merge = self._launches(launch_args, self.num_splits)
-        attention(*launch_args)
+        attention_args, merge_args = self._arguments(*args, out=out, num_splits=self.num_splits)
+        attention, merge = self._launches(attention_args, merge_args)
+        attention(*attention_args)
         if merge is not None:
-            merge(*self._merge_args(launch_args))
+            merge(*merge_args)
         return out
+
+
+def _flat_table(block_table: Tensor) -> tuple[Tensor, int]:
+    """``(flat, row stride)``: the block table's rows as one 1-D view of its memory (no copy unless
+    its columns are strided), row ``s`` at ``s * stride``."""
+    rows, columns = block_table.shape
+    if not rows or not columns:  # nothing to read; the kernel clamps into a one-entry table
+        return block_table.new_zeros(1), 0
+    if block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
+    stride = block_table.stride(0) if rows > 1 else columns
+    return block_table.as_strided(((rows - 1) * stride + columns,), (1,)), stride
 
 
 def _build_attention(key: AttentionKey, config: dict, args: tuple) -> Any:

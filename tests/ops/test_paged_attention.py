@@ -35,6 +35,7 @@ def attention_case(
     leading_rows: int = 0,
     q_layout: str = "contiguous",
     cache_layout: str = "contiguous",
+    table_layout: str = "contiguous",
     hints: bool = True,
 ) -> Case:
     """A varlen batch: sequence ``s`` has ``q_lens[s]`` new queries and ``kv_lens[s]`` keys in the cache.
@@ -43,7 +44,9 @@ def attention_case(
     ``leading_rows`` puts such rows before the first sequence (``cu_seqlens_q[0] > 0``);
     ``q_layout="fused"`` makes ``q`` a strided view of a fused QKV projection; ``cache_layout="view"``
     makes the caches views into a larger buffer (as Hugging Face's paged cache hands them over), so
-    the harness also checks nothing outside them is touched.
+    the harness also checks nothing outside them is touched. ``table_layout="wide"`` makes the block
+    table the first columns of a wider one whose other columns name no block (a persistent table
+    sliced to the batch), ``"column_major"`` one whose columns are contiguous.
     """
     num_q_heads, num_kv_heads = heads
 
@@ -69,6 +72,12 @@ def attention_case(
                 buffer[2:-1] = cache
                 return buffer[2:-1]
             k_cache, v_cache = embed(k_cache), embed(v_cache)
+        if table_layout == "wide":
+            wide = torch.full((table.shape[0], table.shape[1] + 5), 1 << 20, dtype=table.dtype)
+            wide[:, : table.shape[1]] = table
+            table = wide[:, : table.shape[1]]
+        elif table_layout == "column_major":
+            table = table.t().contiguous().t()
         sink_logits = torch.randn(num_q_heads, generator=g) if sinks else None
         max_q, max_kv = (max(q_lens, default=0), max(kv_lens, default=0)) if hints else (None, None)
         return (q, k_cache, v_cache, table, cu, lens, head_dim**-0.5, window, softcap, sink_logits, max_q, max_kv)
@@ -86,6 +95,13 @@ ATTENTION_CASES = [
     attention_case("mixed-gqa4-fp32", [5, 1, 12], [37, 16, 12]),
     attention_case("mixed-gqa4-bf16", [5, 1, 12], [37, 16, 12], dtype=torch.bfloat16),
     attention_case("mixed-gqa4-fp16-small-blocks", [3, 1, 9], [33, 50, 9], dtype=torch.float16, config=SMALL_BLOCKS),
+    # a long prompt beside decode steps: the packed grid (no sequence padded to the longest, even
+    # with the eager interpreter's 256-row blocks)
+    attention_case("prompt-beside-decodes", [100, 1, 1, 1], [130, 20, 7, 64]),
+    attention_case("prompt-beside-decodes-split2", [100, 1, 1, 1], [130, 20, 7, 64], config=split_config(2)),
+    # block tables that are not one contiguous [seqs, blocks] array
+    attention_case("wide-block-table", [3, 1, 2], [40, 20, 17], table_layout="wide"),
+    attention_case("column-major-block-table", [3, 1, 2], [40, 20, 17], table_layout="column_major"),
     # one-token sequences: a one-token prompt and a decode step at length 1
     attention_case("one-token-sequences", [1, 1, 1], [1, 2, 17]),
     # GQA ratios 8:1 (MQA-like), 4:1, 1:1
@@ -171,7 +187,7 @@ def test_the_output_is_allocated_without_a_fill(provider, device, monkeypatch):
     def skip_launch(*args):
         return None
 
-    monkeypatch.setattr(_AttentionLaunch, "_launches", lambda self, launch_args, num_splits: (skip_launch, None))
+    monkeypatch.setattr(_AttentionLaunch, "_launches", lambda self, *launch: (skip_launch, None))
     args = attention_case("unfilled", [2, 1], [5, 9], heads=(4, 2), head_dim=16, leading_rows=1,
                           unowned_rows=1).make()
     with ops.use_provider(provider, paged_attention_op), poisoned_allocations(), ops.trace_dispatch() as ran:
@@ -525,3 +541,49 @@ def test_auto_splits_are_chosen_per_call_from_the_context(device):
             assert plan.run.num_splits == want_splits
             assert_close(got, op.reference(*args).double(), torch.float32)
     assert launches[0] is launches[1]  # one plan served both calls
+
+
+@pytest.mark.parametrize("block_rows", [16, 64, 256])
+@given(q_lens=st.lists(st.integers(0, 300), min_size=1, max_size=40), group=st.sampled_from([1, 4, 8]))
+@settings(max_examples=60, deadline=None)
+def test_the_query_grid_gives_every_packed_row_one_block(q_lens, group, block_rows):
+    """The grid layouts as the kernel reads them: block ``b`` belongs to the sequence the device map
+    (packed) or ``b // blocks_per_seq`` (uniform) names, and owns that sequence's packed rows
+    ``[b - first, b - first + 1) * block_rows``; every packed row of every sequence falls in exactly one
+    block, and the grid has no more blocks than its layout's bound."""
+    from hw_agnostic.kernels.paged_attention import block_sequences, query_grid
+
+    tokens, num_seqs = sum(q_lens), len(q_lens)
+    grid = query_grid(num_seqs=num_seqs, tokens=tokens, max_q_len=max(q_lens), group=group, block_rows=block_rows)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    if grid.packed:
+        owners = block_sequences(cu, group, block_rows, grid.blocks).tolist()
+        firsts = [(int(cu[s]) * group + s * (block_rows - 1)) // block_rows for s in range(num_seqs)]
+    else:
+        owners = [b // grid.blocks_per_seq for b in range(grid.blocks)]
+        firsts = [s * grid.blocks_per_seq for s in range(num_seqs)]
+    covered = [[0] * (n * group) for n in q_lens]
+    for block, seq in enumerate(owners):
+        if seq >= num_seqs:
+            continue
+        begin = (block - firsts[seq]) * block_rows
+        for row in range(max(begin, 0), min(begin + block_rows, q_lens[seq] * group)):
+            covered[seq][row] += 1
+    assert all(count == 1 for rows in covered for count in rows)
+    uniform = num_seqs * -(-max(max(q_lens), 1) * group // block_rows)
+    assert grid.blocks <= max(uniform, 1)
+    if grid.packed:
+        assert grid.blocks <= (tokens * group + num_seqs * (block_rows - 1)) // block_rows
+
+
+def test_a_mixed_batch_launches_work_per_sequence_not_per_longest_query():
+    """One 512-token prompt beside 63 decode steps (GQA 4, 64-row blocks): the uniform layout would
+    give every sequence the prompt's 32 blocks (2048, ~95% idle); the packed grid has 98."""
+    from hw_agnostic.kernels.paged_attention import query_grid
+
+    mixed = query_grid(num_seqs=64, tokens=512 + 63, max_q_len=512, group=4, block_rows=64)
+    assert mixed.packed and mixed.blocks == 98
+    decode = query_grid(num_seqs=64, tokens=64, max_q_len=1, group=4, block_rows=16)
+    assert not decode.packed and decode.blocks == 64  # one block per sequence: exact already
+    prompt = query_grid(num_seqs=1, tokens=512, max_q_len=512, group=4, block_rows=64)
+    assert not prompt.packed and prompt.blocks == 32
