@@ -665,8 +665,11 @@ class _ContinuousBatchingBinding:
         overwrite keys its earlier ones still see.
         """
         views, sentinel = getattr(allocator, "_kv_token_views", None), getattr(allocator, "sentinel_index", None)
-        read_index, write_index = kwargs["read_index"][allocator.index], kwargs["write_index"][allocator.index]
-        if views is None or sentinel is None or read_index.numel() == 0:
+        reads, writes = kwargs.get("read_index"), kwargs.get("write_index")
+        if views is None or sentinel is None or reads is None or writes is None:
+            return None
+        read_index, write_index = reads[allocator.index], writes[allocator.index]
+        if read_index.numel() == 0:
             return None
         k_tokens, v_tokens = views[layer_idx]  # [slots, Hkv, D], shifted views of one buffer
         slots_in_both = min(k_tokens.shape[0], v_tokens.shape[0])  # every index the cache hands out

@@ -22,8 +22,9 @@ head ``kv_head * group + p % group``, so the ``group`` query heads sharing a KV 
 load (GQA packing; a decode step still gives the dot products ``group`` rows). The blocks are laid
 out per sequence (:func:`query_grid`): as many as the longest sequence needs for each (a decode
 batch, one prompt), or, for a mixed batch, as many as each needs, a device map naming each
-block's sequence, so one long prompt does not give every decode step its number of programs. Query token ``i``
-of a sequence with ``q_len`` queries and ``kv_len`` keys sits at position ``kv_len - q_len + i``;
+block's sequence, so one long prompt does not give every decode step its number of programs.
+
+Query token ``i`` of a sequence with ``q_len`` queries and ``kv_len`` keys sits at position ``kv_len - q_len + i``;
 it sees key ``j`` when ``j <= pos`` and, with a sliding window ``W``, ``j > pos - W``. The KV loop
 only visits the range some row of the tile can see (causal and window skipping).
 
