@@ -378,12 +378,15 @@ def query_grid(*, num_seqs: int, tokens: int, max_q_len: int, group: int, block_
 
 def block_sequences(cu_seqlens_q: torch.Tensor, group: int, block_rows: int, blocks: int) -> torch.Tensor:
     """``[blocks]`` int32: the sequence owning each block of a packed :func:`query_grid` (blocks past
-    the last sequence's go to it and find no rows)."""
+    the last sequence's go to it and find no rows). Six small launches, no host read: each
+    sequence's first block, then a search of the blocks among them."""
     num_seqs = cu_seqlens_q.shape[0] - 1
-    index = torch.arange(max(blocks, num_seqs + 1), device=cu_seqlens_q.device)
-    first = (cu_seqlens_q.to(torch.int64) * group + index[:num_seqs + 1] * (block_rows - 1)) // block_rows
-    owner = torch.searchsorted(first, index[:blocks], right=True)
-    return owner.sub_(1).clamp_(0, max(num_seqs - 1, 0)).to(torch.int32)
+    device = cu_seqlens_q.device
+    # s * (block_rows - 1) + cu_seqlens_q[s] * group, floored by block_rows (64-bit: no overflow)
+    steps = torch.arange(0, (num_seqs + 1) * (block_rows - 1), block_rows - 1, device=device)
+    first = torch.add(steps, cu_seqlens_q, alpha=group).floor_divide_(block_rows)
+    owner = torch.searchsorted(first[1:], torch.arange(blocks, device=device), right=True, out_int32=True)
+    return owner.clamp_(max=num_seqs - 1)
 
 
 # fp32 dots in exact fp32: Triton's TF32 default would put fp32 attention outside the fp32 tolerance.

@@ -587,3 +587,17 @@ def test_a_mixed_batch_launches_work_per_sequence_not_per_longest_query():
     assert not decode.packed and decode.blocks == 64  # one block per sequence: exact already
     prompt = query_grid(num_seqs=1, tokens=512, max_q_len=512, group=4, block_rows=64)
     assert not prompt.packed and prompt.blocks == 32
+
+
+def test_the_block_map_is_built_on_the_device_in_a_few_launches():
+    """A mixed batch's block map reads nothing on the host (a captured step stays valid) and costs a
+    handful of small launches, once per call."""
+    from bench.decode_host_suite import LaunchCount
+    from hw_agnostic.kernels.paged_attention import block_sequences
+
+    cu = torch.tensor([0, 512, *range(513, 576)], dtype=torch.int32)
+    with LaunchCount() as count:
+        owners = block_sequences(cu, 4, 64, 98)
+    assert count.syncs == 0 and sum(count.aten.values()) <= 6
+    owners = owners.tolist()
+    assert owners[:32] == [0] * 32 and owners[32] == 1 and sorted(owners) == owners and set(owners) == set(range(64))
