@@ -243,7 +243,7 @@ def test_generate_batch_matches_hf_eager(family, forbid_hf_attention):
     assert _ran(record, "write_kv_cache")
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
 def test_decode_steps_read_sliding_windows_in_place(family, monkeypatch):
     """A step whose queries are all single tokens reads each sliding layer's window from its ring
     buffer: transformers' gather (``SlidingAttentionCacheAllocator.update``: ``index_select`` of every
