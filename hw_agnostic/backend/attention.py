@@ -677,8 +677,7 @@ class _ContinuousBatchingBinding:
         write_kv_cache(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), k_pages, v_pages, write_index)
         slots = read_index.masked_scatter(read_index == sentinel, write_index)
         cu_k = cu_k.to(torch.int32)
-        columns = torch.arange(max(max_k, 1), device=cu_k.device, dtype=torch.int32)
-        table = slots[(cu_k[:-1, None] + columns).clamp_(max=slots.numel() - 1)].to(torch.int32)
+        table = slots[_token_rows(cu_k, max(max_k, 1), slots.numel())].to(torch.int32)
         return PagedBatch(k_pages, v_pages, table, cu_q, cu_k[1:] - cu_k[:-1], 1, max_k)
 
     def _windowed(self, layer_idx: int, key_states: Tensor, value_states: Tensor, cu_q: Tensor, max_q: int,
@@ -686,8 +685,7 @@ class _ContinuousBatchingBinding:
         keys, values = self.cache.update(key_states, value_states, layer_idx, kwargs)
         cu_k, max_k = kwargs["cu_seq_lens_k"].to(torch.int32), int(kwargs["max_length_k"])
         k_cache, v_cache = _one_token_blocks(keys), _one_token_blocks(values)
-        columns = torch.arange(max(max_k, 1), device=cu_k.device, dtype=torch.int32)
-        table = (cu_k[:-1, None] + columns).clamp_(max=max(k_cache.shape[0] - 1, 0))
+        table = _token_rows(cu_k, max(max_k, 1), max(k_cache.shape[0], 1))
         return PagedBatch(k_cache, v_cache, table, cu_q, cu_k[1:] - cu_k[:-1], max_q, max_k)
 
     def __getattr__(self, name: str) -> Any:
@@ -703,8 +701,15 @@ def _block_table(read_index: Tensor, write_index: Tensor, cu_q: Tensor, cu_k: Te
     width = max(-(-max_k // page), 1)
     if source.numel() == 0:
         return torch.zeros(starts.shape[0] - 1, width, dtype=torch.int32, device=starts.device)
-    index = starts[:-1, None].long() + torch.arange(width, device=starts.device) * page
-    return (source[index.clamp_(max=source.numel() - 1)] // page).to(torch.int32)
+    return (source[_token_rows(starts.long(), width, source.numel(), page)] // page).to(torch.int32)
+
+
+def _token_rows(starts: Tensor, width: int, rows: int, step: int = 1) -> Tensor:
+    """``[seqs, width]``: ``starts[s] + j * step`` for sequence ``s`` (``starts``: each sequence's first
+    row, and the end past the last) and column ``j``, clamped below ``rows``: where a sequence's
+    tokens sit in a flat buffer of ``rows`` rows."""
+    columns = torch.arange(0, width * step, step, device=starts.device, dtype=starts.dtype)
+    return (starts[:-1, None] + columns).clamp_(max=rows - 1)
 
 
 def _one_token_blocks(states: Tensor) -> Tensor:

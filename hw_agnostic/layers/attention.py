@@ -249,8 +249,8 @@ class PagedKVCache:
         after graphed steps)."""
         batch_size, q_len = key.shape[0], key.shape[1]
         assert self._row_start is not None and self.block_table is not None and self.real is not None
-        compiling = self.on_device_only()
-        if compiling:
+        on_device = self.on_device_only()
+        if on_device:
             self._host_seen = None
             positions = self.seen + torch.arange(q_len, device=self.device)
             fits = positions < self.capacity
@@ -265,14 +265,14 @@ class PagedKVCache:
             layout = self.share.once(("step layout", real, q_len, batch_size, self.device), lambda: _step_layout(
                 None if real is None or bool(real.all()) else real, q_len, batch_size, self.device))
         slots = _slots(layout, self.kv_lens, self._row_start)
-        if compiling:  # a position past the capacity is never written, whatever the assertion leaves running
+        if on_device:  # a position past the capacity is never written, whatever the assertion leaves running
             slots = torch.where(fits[None, :], slots, -1)
         write_kv_cache(
             key.reshape(batch_size * q_len, self.num_kv_heads, self.head_dim),
             value.reshape(batch_size * q_len, self.num_kv_heads, self.head_dim),
             self.k_pages, self.v_pages, slots.reshape(-1),
         )
-        if compiling:
+        if on_device:
             written = fits[None, :].expand(batch_size, q_len)
             if layout.real is not None:
                 written = written & layout.real
