@@ -10,6 +10,7 @@ from .attention import PagedAttention, PagedBatch, PagedKVCache, attend
 from .base import CustomOp, LayerRegistryError, PluggableLayer, registered_layers, resolve, unregister_oot
 from .gated_rms_norm import GatedRMSNorm
 from .layer_norm import LayerNorm
+from .linear import Linear
 from .mlp import GatedMLP
 from .moe import MoE, MoEExperts, MoERouter, RoutingSpec
 from .norm import RMSNorm
@@ -22,6 +23,7 @@ __all__ = [
     "GeluAndMul",
     "LayerNorm",
     "LayerRegistryError",
+    "Linear",
     "MoE",
     "MoEExperts",
     "MoERouter",

@@ -6,10 +6,11 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from .activation import act_and_mul
 from .base import PluggableLayer
+from .linear import Linear
 
 
 @PluggableLayer.register("gated_mlp")
@@ -47,9 +48,9 @@ class GatedMLP(PluggableLayer):
         self.hidden_size, self.intermediate_size, self.activation = hidden_size, intermediate_size, activation
         self.gate_multiplier, self.up_multiplier, self.down_multiplier = gate_multiplier, up_multiplier, down_multiplier
         self.dropout = float(dropout)
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype, device=device)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype, device=device)
         self.act_fn = act_and_mul(activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias if down_bias is None else down_bias,
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias if down_bias is None else down_bias,
                                    dtype=dtype, device=device)
 
     def forward(self, x: Tensor) -> Tensor:

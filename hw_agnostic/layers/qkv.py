@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import PluggableLayer
+from .linear import Linear
 
 
 @PluggableLayer.register("qkv_projection")
@@ -33,7 +34,7 @@ class QKVProjection(PluggableLayer):
     ) -> None:
         super().__init__()
         self.sizes = tuple(int(s) for s in sizes)
-        self.proj = nn.Linear(hidden_size, sum(self.sizes), bias=bias, dtype=dtype, device=device)
+        self.proj = Linear(hidden_size, sum(self.sizes), bias=bias, dtype=dtype, device=device)
         self._pending: Optional[tuple[Tensor, tuple[Tensor, ...], int]] = None
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:

@@ -9,6 +9,7 @@ from .fused_experts import fused_experts
 from .gated_rms_norm import gated_rms_norm
 from .grouped_gemm import grouped_gemm
 from .layer_norm import fused_add_layer_norm, layer_norm
+from .linear import linear
 from .moe_align import MoEAlignment, moe_align
 from .moe_route import moe_route
 from .paged_attention import paged_attention, validate_paged_attention_inputs
@@ -43,6 +44,7 @@ __all__ = [
     "get_op",
     "grouped_gemm",
     "layer_norm",
+    "linear",
     "moe_align",
     "moe_route",
     "paged_attention",

@@ -1,0 +1,110 @@
+"""``ops.linear`` and ``layers.Linear``: ``F.linear``'s values bit for bit, blocked where the rule says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo.testing
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from hw_agnostic.layers import GatedMLP, Linear, QKVProjection
+from hw_agnostic.ops import linear
+from hw_agnostic.ops.linear import BLOCK_COLUMNS, MAX_ROWS, blocked_columns
+
+MKL = torch.backends.mkl.is_available()
+
+
+def _case(rows: int, columns: int, width: int, bias: bool, seed: int = 0) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=g)
+    weight = torch.randn(columns, width, generator=g) / width**0.5
+    return x, weight, torch.randn(columns, generator=g) if bias else None
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+# 2 * BLOCK_COLUMNS + 5: a last block of five columns alone is another MKL kernel (it differed)
+@pytest.mark.parametrize("columns", [2 * BLOCK_COLUMNS - 1, 2 * BLOCK_COLUMNS, 2 * BLOCK_COLUMNS + 5,
+                                     3 * BLOCK_COLUMNS + 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 17, 64, MAX_ROWS, MAX_ROWS + 1])
+def test_equals_f_linear_bit_for_bit(rows: int, columns: int, bias: bool) -> None:
+    x, weight, b = _case(rows, columns, 192, bias)
+    with torch.no_grad():
+        assert torch.equal(linear(x, weight, b), F.linear(x, weight, b))
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_batched_input_keeps_its_shape_and_values(bias: bool) -> None:
+    x, weight, b = _case(24, 2 * BLOCK_COLUMNS + 5, 96, bias)
+    x = x.view(3, 8, 96)
+    with torch.inference_mode():
+        out = linear(x, weight, b)
+        assert out.shape == (3, 8, weight.shape[0]) and out.is_contiguous()
+        assert torch.equal(out, F.linear(x, weight, b))
+
+
+@pytest.mark.skipif(not MKL, reason="the blocked schedule is for MKL's SGEMM")
+def test_the_rule_blocks_few_fp32_rows_and_leaves_the_rest_to_f_linear() -> None:
+    x, weight, b = _case(8, 2 * BLOCK_COLUMNS, 64, True)
+    with torch.no_grad():
+        assert blocked_columns(x, weight, b) and blocked_columns(x.view(2, 4, 64), weight, None)
+        assert not blocked_columns(x[:1], weight, b)  # one row: MKL's GEMV
+        assert not blocked_columns(torch.randn(MAX_ROWS + 1, 64), weight, b)
+        assert not blocked_columns(x.bfloat16(), weight.bfloat16(), None)
+        assert not blocked_columns(x.t().contiguous().t(), weight, b)  # a column-major input
+        assert not blocked_columns(x, weight.t().contiguous().t(), b)
+    assert not blocked_columns(x.requires_grad_(), weight, b)  # autograd records it: out= has no backward
+
+
+def test_gradients_flow_as_through_f_linear() -> None:
+    x, weight, b = _case(8, 2 * BLOCK_COLUMNS, 32, True)
+    leaves = [t.clone().requires_grad_() for t in (x, weight, b)]
+    linear(*leaves).square().sum().backward()
+    expected = [t.clone().requires_grad_() for t in (x, weight, b)]
+    F.linear(*expected).square().sum().backward()
+    for ours, theirs in zip(leaves, expected):
+        assert torch.equal(ours.grad, theirs.grad)
+
+
+def test_traces_as_f_linear() -> None:
+    x, weight, b = _case(8, 2 * BLOCK_COLUMNS, 32, True)
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(linear, backend=counter, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, weight, b), F.linear(x, weight, b))
+        # the rule reads no row count while tracing, so no size guard: 3 and 2000 rows reuse the graph
+        for rows in (3, 2000):
+            more = torch.randn(rows, 32)
+            torch.testing.assert_close(compiled(more, weight, b), F.linear(more, weight, b))
+    assert counter.frame_count == 1
+    with FakeTensorMode() as mode:
+        fake = linear(mode.from_tensor(x), mode.from_tensor(weight), mode.from_tensor(b))
+    assert fake.shape == (8, 2 * BLOCK_COLUMNS)
+
+
+def test_mismatched_widths_raise_as_f_linear_does() -> None:
+    x, weight, _ = _case(8, 2 * BLOCK_COLUMNS, 32, False)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        linear(x[:, :31], weight)
+
+
+def test_linear_layer_is_an_nn_linear() -> None:
+    layer = Linear(64, 2 * BLOCK_COLUMNS, bias=True)
+    plain = nn.Linear(64, 2 * BLOCK_COLUMNS, bias=True)
+    plain.load_state_dict(layer.state_dict())
+    assert isinstance(layer, nn.Linear) and list(layer.state_dict()) == list(plain.state_dict())
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        assert torch.equal(layer(x), plain(x)) and torch.equal(layer.forward_native(x), plain(x))
+
+
+def test_merged_projections_run_it() -> None:
+    mlp = GatedMLP(64, BLOCK_COLUMNS + 3)
+    qkv = QKVProjection(64, (BLOCK_COLUMNS, 512, 512))
+    assert type(mlp.gate_up_proj) is Linear and type(mlp.down_proj) is Linear and type(qkv.proj) is Linear
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        expected = F.linear(mlp.act_fn(F.linear(x, mlp.gate_up_proj.weight)), mlp.down_proj.weight)
+        assert torch.equal(mlp(x), expected)
+        assert torch.equal(torch.cat(qkv(x), dim=-1), F.linear(x, qkv.proj.weight))
