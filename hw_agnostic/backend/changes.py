@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 #: Change kinds, in the order rewiring applies them (verification bisects in this order too).
-KINDS = ("norm", "mlp", "qkv", "attention", "rotary", "fused", "experts", "router")
+KINDS = ("norm", "mlp", "qkv", "attention", "rotary", "fused", "experts", "router", "linear")
 
 
 @dataclasses.dataclass(eq=False)

@@ -18,6 +18,10 @@ reason:
 4. ``fused``: decoder layers with a pre-norm or sandwich-norm residual layout run the residual add
    and the next norm as one ``fused_add_rms_norm`` (``fused_add_layer_norm``).
 5. ``experts``: mixture-of-experts layers run ``fused_experts`` and their routers ``moe_route``.
+6. ``linear``: every remaining ``nn.Linear`` (the output projections, the LM head, whatever no
+   rule merged) becomes the library's :class:`~hw_agnostic.layers.Linear` by its class alone:
+   parameters, hooks and ties stay where they are, and it computes ``F.linear``'s values bit for
+   bit, faster for fp32 CPU calls of a few rows (:mod:`hw_agnostic.ops.linear`).
 
 Each norm, MLP, q/k/v merge and router is first checked alone against the module it replaces.
 Then (``verify=True``, the default) the whole model is checked: :mod:`hw_agnostic.backend.verify`
@@ -39,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers import CustomOp, LayerNorm, PagedAttention, PluggableLayer, RMSNorm, resolve
+from ..layers import CustomOp, LayerNorm, Linear, PagedAttention, PluggableLayer, RMSNorm, resolve
 from ..tolerances import mismatch
 from . import checkpoint
 from .attention import paging_changes
@@ -92,6 +96,7 @@ def rewire(
     rotary: bool = True,
     fuse: bool = True,
     experts: bool = True,
+    linears: bool = True,
     verify: bool = True,
     verbose: bool = False,
     probe: Callable[[], Any] | None = None,
@@ -108,6 +113,7 @@ def rewire(
         fuse: fuse residual adds into the following norm in recognised decoder layers.
         experts: run mixture-of-experts layers with ``fused_experts`` and their routers with
             ``moe_route`` (see :mod:`hw_agnostic.backend.experts`).
+        linears: make the remaining ``nn.Linear`` modules :class:`~hw_agnostic.layers.Linear` (rule 6).
         verify: check each replacement against the module it replaces, then the whole rewired model
             against the original (see :mod:`hw_agnostic.backend.verify`), undoing what disagrees.
             With weights on the meta device this happens on the first forward with real weights.
@@ -121,7 +127,7 @@ def rewire(
     verification = Verification(model, prior) if verify else None
     options = Options(verify=verify, probe=probe)
     enabled = {"norms_and_mlps": True, "qkv": merge_qkv, "attention": attention, "rotary": attention and rotary,
-               "fused": fuse, "experts": experts}
+               "fused": fuse, "experts": experts, "linear": linears}
     made = list(prior)
     for name, rule in RULES:
         if enabled[name]:
@@ -514,6 +520,34 @@ def _experts(model: nn.Module, report: RewireReport, options: Options) -> list[C
     return experts_changes(model, verify=options.verify, report=report)
 
 
+def _linears(model: nn.Module, report: RewireReport, options: Options) -> list[Change]:
+    """Each module whose class is exactly ``nn.Linear`` gets :class:`~hw_agnostic.layers.Linear` as
+    its class. Nothing else about the module changes (its ``__dict__``, so its parameters, ties,
+    hooks and an accelerate-wrapped forward), and ``Linear`` adds no state, so the swap is exact and
+    undone by swapping back. Subclasses (quantised linears, LoRA layers) are left alone. With a
+    plugin's replacement registered for ``"linear"`` nothing is swapped: a class whose ``__init__``
+    was never run cannot be put in place."""
+    if resolve("linear") is not Linear:
+        log.debug("rewire: a plugin replaces 'linear'; the model's nn.Linear modules stay as they are")
+        return []
+    made: list[Change] = []
+    for path, module in model.named_modules():
+        if type(module) is not nn.Linear:
+            continue
+
+        def apply(module: nn.Module = module) -> None:
+            module.__class__ = Linear
+
+        def undo(module: nn.Module = module) -> None:
+            module.__class__ = nn.Linear
+
+        apply()
+        bias = ", bias" if module.bias is not None else ""
+        made.append(Change("linear", path, "Linear", "hw_agnostic Linear",
+                           f"{module.in_features}->{module.out_features}{bias}", apply, undo))
+    return made
+
+
 #: The rules, in the order they run (later rules see what earlier ones built).
 RULES: tuple[tuple[str, Callable[[nn.Module, RewireReport, Options], list[Change]]], ...] = (
     ("norms_and_mlps", _norms_and_mlps),
@@ -522,6 +556,7 @@ RULES: tuple[tuple[str, Callable[[nn.Module, RewireReport, Options], list[Change
     ("rotary", _rotary),
     ("fused", _fused),
     ("experts", _experts),
+    ("linear", _linears),
 )
 
 __all__ = ["RULES", "build_mlp", "build_norm", "finish", "rewire"]
