@@ -15,9 +15,12 @@ packs nothing) and 16-bit weights (oneDNN, which gained nothing) keep the one ca
 Measured speed-ups (F.linear / blocked, fp32, two threads), rows 4-32: ``gate_up`` 1.3-1.7x,
 ``down`` (4096 x 14336) 1.1-1.2x, ``qkv`` (6144 x 4096) 1.15-1.2x; at 512 rows 1.0-1.07x.
 
-The blocked schedule runs only where nothing records or traces the call: no gradient is being
-taken (``out=`` has no autograd), no ``torch.compile``/fx/fake tracing (plain tensors only), and
-weights contiguous as ``nn.Linear`` keeps them.
+The blocked schedule runs only where nothing records, transforms, recasts or traces the call: no
+gradient is being taken (``out=`` has no autograd), no forward-mode AD level is open and no
+``torch.func`` transform (``vmap``, ``jvp``) is active (neither has a rule for ``out=`` calls), CPU
+autocast is off (it recasts ``F.linear`` to bf16 but not ``out=`` calls), no dispatch mode is
+active and nothing compiles or fakes (plain tensors only), and weights are contiguous as
+``nn.Linear`` keeps them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -77,4 +81,8 @@ def blocked_columns(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return False
-    return True
+    # Forward-mode AD (jvp, dual tensors) and vmap have no rule for out= calls (they raise on
+    # them); autocast skips out= calls (F.linear's output would be bf16, the blocks' fp32); a
+    # dispatch mode (make_fx, a flop counter) would see mm.out calls where the model makes a linear.
+    return not (forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
+                or torch.is_autocast_enabled("cpu") or torch._C._len_torch_dispatch_stack())

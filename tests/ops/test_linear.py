@@ -67,6 +67,47 @@ def test_gradients_flow_as_through_f_linear() -> None:
         assert torch.equal(ours.grad, theirs.grad)
 
 
+def test_forward_ad_and_function_transforms_work_as_through_f_linear() -> None:
+    """jvp, dual tensors and vmap have no rule for the blocks' out= calls: such calls take F.linear."""
+    import torch.autograd.forward_ad as forward_ad
+
+    x, weight, b = _case(8, 2 * BLOCK_COLUMNS, 32, True)
+    tangent = torch.randn_like(x)
+    ours = torch.func.jvp(lambda t: linear(t, weight, b), (x,), (tangent,))
+    theirs = torch.func.jvp(lambda t: F.linear(t, weight, b), (x,), (tangent,))
+    assert all(torch.equal(o, t) for o, t in zip(ours, theirs))
+    with forward_ad.dual_level():
+        dual = linear(forward_ad.make_dual(x, tangent), weight, b)
+        assert torch.equal(forward_ad.unpack_dual(dual).tangent, theirs[1])
+    batch = torch.randn(3, 8, 32)
+    assert torch.equal(torch.func.vmap(lambda t: linear(t, weight, b))(batch), F.linear(batch, weight, b))
+    grads = torch.func.grad(lambda w: linear(x, w, b).square().sum())(weight)
+    assert torch.equal(grads, torch.func.grad(lambda w: F.linear(x, w, b).square().sum())(weight))
+
+
+def test_autocast_and_dispatch_modes_see_f_linear() -> None:
+    """Autocast recasts F.linear (not out= calls); a dispatch mode sees the model's own linear."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x, weight, b = _case(8, 2 * BLOCK_COLUMNS, 32, True)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ours, theirs = linear(x, weight, b), F.linear(x, weight, b)
+        assert ours.dtype == theirs.dtype == torch.bfloat16 and torch.equal(ours, theirs)
+        with Seen() as seen:
+            linear(x, weight, b)
+        assert not any(".out" in op for op in seen.ops), seen.ops
+
+
 def test_traces_as_f_linear() -> None:
     x, weight, b = _case(8, 2 * BLOCK_COLUMNS, 32, True)
     counter = torch._dynamo.testing.CompileCounter()
