@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hw_agnostic.layers import GatedMLP, Linear, QKVProjection
 from hw_agnostic.ops import linear
-from hw_agnostic.ops.linear import BLOCK_COLUMNS, MAX_ROWS, blocked_columns
+from hw_agnostic.ops.linear import BLOCK_COLUMNS, MAX_ROWS, MAX_THREADS, blocked_columns
 
 MKL = torch.backends.mkl.is_available()
 
@@ -28,10 +28,19 @@ def _case(rows: int, columns: int, width: int, bias: bool, seed: int = 0) -> tup
 @pytest.mark.parametrize("columns", [2 * BLOCK_COLUMNS - 1, 2 * BLOCK_COLUMNS, 2 * BLOCK_COLUMNS + 5,
                                      3 * BLOCK_COLUMNS + 17])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 17, 64, MAX_ROWS, MAX_ROWS + 1])
-def test_equals_f_linear_bit_for_bit(rows: int, columns: int, bias: bool) -> None:
+@pytest.mark.parametrize("threads", range(1, MAX_THREADS + 1))
+def test_equals_f_linear_bit_for_bit(rows: int, columns: int, bias: bool, threads: int) -> None:
     x, weight, b = _case(rows, columns, 192, bias)
-    with torch.no_grad():
-        assert torch.equal(linear(x, weight, b), F.linear(x, weight, b))
+    unaligned = torch.empty(x.numel() + 1)[1:].view_as(x).copy_(x)  # a view 4 bytes past its allocation
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            assert blocked_columns(x, weight, b) == (MKL and 2 <= rows <= MAX_ROWS)
+            assert torch.equal(linear(x, weight, b), F.linear(x, weight, b))
+            assert torch.equal(linear(unaligned, weight, b), F.linear(unaligned, weight, b))
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
@@ -55,6 +64,13 @@ def test_the_rule_blocks_few_fp32_rows_and_leaves_the_rest_to_f_linear() -> None
         assert not blocked_columns(x.t().contiguous().t(), weight, b)  # a column-major input
         assert not blocked_columns(x, weight.t().contiguous().t(), b)
     assert not blocked_columns(x.requires_grad_(), weight, b)  # autograd records it: out= has no backward
+    threads = torch.get_num_threads()
+    torch.set_num_threads(MAX_THREADS + 1)  # MKL would split a block's sums unlike the whole product's
+    try:
+        with torch.no_grad():
+            assert not blocked_columns(x, weight, b)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_gradients_flow_as_through_f_linear() -> None:
