@@ -300,6 +300,20 @@ def _cache_layer_base() -> type:
     return CacheLayerMixin
 
 
+def _as_stored(key_states: Tensor, value_states: Tensor, store: Optional[PagedKVCache]) -> tuple[Tensor, Tensor]:
+    """K and V in one dtype, the pages': under autocast a step's K leaves the fp32 rotary code and
+    its V the 16-bit projection (transformers' cache keeps each as it came; its attention casts both
+    back to 16 bits). Only exact casts: a dtype the pages cannot hold exactly is left to the write's
+    check, which names it."""
+    dtype = key_states.dtype
+    if value_states.dtype is dtype and (store is None or store.dtype is dtype):
+        return key_states, value_states
+    stored = store.dtype if store is not None else torch.promote_types(dtype, value_states.dtype)
+    if torch.promote_types(stored, dtype) == stored and torch.promote_types(stored, value_states.dtype) == stored:
+        return key_states.to(stored), value_states.to(stored)
+    return key_states, value_states
+
+
 class PagedCacheLayer(_cache_layer_base()):  # type: ignore[misc]
     """A transformers cache layer whose storage is a :class:`PagedKVCache` (one per attention layer).
 
@@ -332,6 +346,7 @@ class PagedCacheLayer(_cache_layer_base()):  # type: ignore[misc]
     def append(self, key_states: Tensor, value_states: Tensor, real: Optional[Tensor]) -> PagedBatch:
         """``key_states`` / ``value_states`` in transformers' layout ``[B, Hkv, q, D]``."""
         batch_size, heads, _, head_dim = key_states.shape
+        key_states, value_states = _as_stored(key_states, value_states, self.store)
         if self.store is None:
             self.store = PagedKVCache(batch_size, heads, head_dim, block_size=self.block_size,
                                       dtype=key_states.dtype, device=key_states.device, share=self.share,

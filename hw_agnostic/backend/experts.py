@@ -42,7 +42,7 @@ from ..tolerances import mismatch
 from .changes import Change
 from .detect import NotDetected
 from .report import RewireReport
-from .routers import DENSE, is_router, looks_like_router, needs_autograd, restore_routers, router_form, switch_router
+from .routers import DENSE, is_router, looks_like_router, needs_own_code, restore_routers, router_form, switch_router
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def hw_agnostic_experts_forward(module: nn.Module, hidden_states: Tensor, top_k_
     """The ``ExpertsInterface`` implementation: ``fused_experts`` on the module's own weights."""
     spec = detect_experts(module)
     if (module in _declined or isinstance(spec, NotDetected)
-            or needs_autograd(hidden_states, top_k_weights, module.gate_up_proj)):
+            or needs_own_code(hidden_states, top_k_weights, module.gate_up_proj)):
         return _model_implementation(module)(module, hidden_states, top_k_index, top_k_weights)
     dtype = module.gate_up_proj.dtype  # transformers casts the input to the weights' dtype too
     out = fused_experts(

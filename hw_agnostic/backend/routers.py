@@ -46,8 +46,13 @@ from .report import RewireReport
 TRIPLE, DENSE = "logits_weights_ids", "dense_scores_logits"
 
 
-def needs_autograd(*tensors: Optional[Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def needs_own_code(*tensors: Optional[Tensor]) -> bool:
+    """Whether a call must run transformers' code: autograd records it (the ops have no backward),
+    or autocast recasts it (its matmuls in 16 bits, which the fused kernels do not follow)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return True
+    first = next((t for t in tensors if t is not None), None)
+    return first is not None and torch.is_autocast_enabled(first.device.type)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,7 +414,7 @@ def _routed_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs
     form: RouterForm = cls._hw_agnostic_form
     bias = form.bias(self)
     weight = form.weight(self)
-    if needs_autograd(hidden_states, weight, bias) or (args or kwargs) and not form.bias_argument:
+    if needs_own_code(hidden_states, weight, bias) or (args or kwargs) and not form.bias_argument:
         return cls._hw_agnostic_base.forward(self, hidden_states, *args, **kwargs)
     correction = (args[0] if args else next(iter(kwargs.values()))) if form.bias_argument else form.correction_bias(self)
     logits, weights, ids = route(form.spec(self), hidden_states, weight, bias,

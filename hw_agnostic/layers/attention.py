@@ -323,6 +323,8 @@ class PagedKVCache:
         they came (so gradients reach them, and its padding positions hold what the module computed)."""
         keys, values = self.read()
         steps = key_states.shape[2]
+        # the step as the pages hold it (an autocast step's 16-bit V beside fp32 K: see PagedCacheLayer.append)
+        key_states, value_states = key_states.to(keys.dtype), value_states.to(values.dtype)
         if self.static:
             positions = (self.seen - steps + torch.arange(steps, device=self.device)).clamp(max=self.capacity - 1)
             return keys.index_copy(2, positions, key_states), values.index_copy(2, positions, value_states)
@@ -607,8 +609,9 @@ class PagedAttention(PluggableLayer):
     by a *binding* (see :mod:`hw_agnostic.backend.attention`). :meth:`release` switches it back.
 
     A call the kernels cannot serve runs the module's own attention over every position's K/V, as
-    transformers would: in training, while gradients are needed, and while attention weights are
-    being recorded (``output_attentions=True``).
+    transformers would: in training, while gradients are needed, while attention weights are
+    being recorded (``output_attentions=True``), and under ``torch.autocast`` (which runs the
+    module's attention in 16 bits; the pages hold K and V in one dtype, cast exactly).
     """
 
     _hw_agnostic_base: type
@@ -673,6 +676,9 @@ class PagedAttention(PluggableLayer):
     def needs_fallback(self, hidden_states: Any) -> bool:
         """Whether this call must run the module's own attention (see the class docstring)."""
         if self.training or recording_attentions():
+            return True
+        # autocast recasts the module's own attention (SDPA, matmuls) to 16 bits, which the kernel is not
+        if isinstance(hidden_states, Tensor) and torch.is_autocast_enabled(hidden_states.device.type):
             return True
         if not torch.is_grad_enabled():
             return False

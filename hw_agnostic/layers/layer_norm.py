@@ -67,7 +67,9 @@ class LayerNorm(CustomOp):
     def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
         if residual is None:
             return layer_norm(x, self.weight, self.bias, self.eps, numerics=self.numerics)
-        if self.num_heads is not None:  # the fused kernel takes [hidden] parameters only
+        # the fused kernel takes [hidden] parameters only, and one dtype (under autocast a 16-bit
+        # output is added to an fp32 stream: the sum promotes, as in HF)
+        if self.num_heads is not None or residual.dtype != x.dtype:
             summed = residual + x
             return layer_norm(summed, self.weight, self.bias, self.eps, numerics=self.numerics), summed
         return fused_add_layer_norm(x, residual, self.weight, self.bias, self.eps, numerics=self.numerics)

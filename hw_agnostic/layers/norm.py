@@ -54,6 +54,9 @@ class RMSNorm(CustomOp):
     def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
         if residual is None:
             return rms_norm(x, self.weight, self.eps, numerics=self.numerics)
+        if residual.dtype != x.dtype:  # autocast: a 16-bit output added to an fp32 stream promotes, as in HF
+            summed = residual + x
+            return rms_norm(summed, self.weight, self.eps, numerics=self.numerics), summed
         return fused_add_rms_norm(x, residual, self.weight, self.eps, numerics=self.numerics)
 
     def forward_native(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:

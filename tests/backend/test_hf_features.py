@@ -200,6 +200,27 @@ def test_static_cache_and_beam_search():
             assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs)), extra
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3", "olmo2", "qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_cpu_autocast_computes_what_the_original_does(family):
+    """Under ``torch.autocast("cpu", bf16)`` an fp32 model's projections run in bf16, its rotary
+    code returns fp32 K beside bf16 V, and 16-bit outputs meet the fp32 residual stream: the
+    rewired model adds those as HF does, keeps K and V as the pages' dtype, and leaves the 16-bit
+    attention, experts and routers to transformers' code (logits and tokens bit for bit, dynamic
+    and static caches)."""
+    if family in FAMILIES:
+        model, reference = _pair(family)
+    else:
+        model = zoo.build(family)
+        reference = copy.deepcopy(model)
+        rewire(model)
+    ids, mask = padded_prompt()
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(model(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits)
+        for extra in ({}, dict(cache_implementation="static")):
+            assert torch.equal(model.generate(ids, **kwargs, **extra), reference.generate(ids, **kwargs, **extra)), extra
+
+
 @pytest.mark.slow
 def test_compiled_forward_in_generate():
     model, reference = _pair("llama")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from hw_agnostic.layers import GatedRMSNorm, LayerNorm, registered_layers, resolve, unregister_oot
+from hw_agnostic.layers import GatedRMSNorm, LayerNorm, RMSNorm, registered_layers, resolve, unregister_oot
 from tests.harness import seeded_generator
 from tests.ops import hf_norms
 
@@ -39,6 +39,19 @@ def test_per_head_layer_norm_and_its_residual_path():
     normed, summed = norm(x, residual)
     torch.testing.assert_close(summed, residual + x)
     torch.testing.assert_close(normed, norm.forward_native(residual + x))
+
+
+@pytest.mark.parametrize("layer", ["rms_norm", "layer_norm"])
+def test_a_residual_of_another_dtype_is_added_as_hf_adds_it(layer):
+    """Under autocast a bf16 output meets the fp32 residual stream: the sum promotes to fp32, as
+    ``residual + x`` does in the HF layer, and the norm reads the promoted sum."""
+    g = seeded_generator(f"mixed-{layer}")
+    norm = RMSNorm(48) if layer == "rms_norm" else LayerNorm(48)
+    x, residual = torch.randn(3, 48, generator=g).bfloat16(), torch.randn(3, 48, generator=g)
+    with torch.no_grad():
+        normed, summed = norm(x, residual)
+        assert summed.dtype == torch.float32 and torch.equal(summed, residual + x)
+        assert torch.equal(normed, norm(residual + x))
 
 
 def test_layer_norm_computes_what_nn_layer_norm_computes_sharing_its_parameters():
