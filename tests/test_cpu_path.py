@@ -372,6 +372,29 @@ def test_softmax_routing_is_bit_identical_to_the_reference():
                 assert torch.equal(w1, w2) and torch.equal(i1, i2)
 
 
+def test_sigmoid_routing_is_bit_identical_to_the_reference():
+    """DeepSeek-V3's routing and plain sigmoid routing, with ties (bf16 logits, equal groups), NaN and
+    infinite logits and biases, every dtype, with and without renormalisation and scaling."""
+    route = importlib.import_module("hw_agnostic.ops.moe_route")
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        for tokens, experts, top_k, n_group, topk_group in ((1, 32, 8, 8, 4), (16, 32, 8, 8, 4), (9, 12, 3, 4, 2),
+                                                            (5, 8, 3, 4, 2), (7, 10, 4, 1, 1), (0, 16, 2, 4, 2)):
+            logits = (3 * torch.randn(tokens, experts, generator=g)).to(dtype)
+            if tokens >= 5:
+                logits[1] = 0.0  # every score tied
+                logits[2, 0] = float("nan")
+                logits[3, ::3] = float("inf")
+                logits[4, : experts // 2] = -float("inf")
+            for bias in (None, 0.05 * torch.randn(experts, generator=g), torch.where(
+                    torch.arange(experts) % 5 == 0, float("inf"), 0.0), torch.full((experts,), float("nan"))):
+                for renormalize, factor in ((True, 2.5), (False, 1.0), (True, 1.0)):
+                    args = (logits, bias, top_k, "sigmoid", renormalize, n_group, topk_group, factor)
+                    (w1, i1), (w2, i2) = route._moe_route_lean(*args), route.moe_route_reference(*args)
+                    assert w1.dtype == w2.dtype and torch.equal(i1, i2), args
+                    assert torch.equal(w1.nan_to_num(nan=-7.0), w2.nan_to_num(nan=-7.0)), args
+
+
 def test_keyed_top_k_orders_as_the_stable_sort():
     """Ties (bf16 logits, equal rows), scores that underflow to 0 (-inf and far-off logits), NaN rows,
     many rows: torch.topk of the keys picks what the stable descending sort picks, in its order."""

@@ -85,7 +85,11 @@ def _moe_route_lean(
 ) -> tuple[Tensor, Tensor]:
     """What the reference provider runs for softmax routing: the reference without the steps that change
     nothing (a factor of 1 scales nothing), the upcast fused into the softmax and the renormalisation
-    in place: the same results (the tests check), fewer kernels and allocations per call."""
+    in place: the same results (the tests check), fewer kernels and allocations per call. Sigmoid
+    routing: :func:`_sigmoid_route_lean`; the other scorings run the reference."""
+    if scoring == "sigmoid":
+        return _sigmoid_route_lean(router_logits, correction_bias, top_k, renormalize, n_group, topk_group,
+                                   routed_scaling_factor)
     if scoring != "softmax" or correction_bias is not None or n_group > 1:
         return moe_route_reference(router_logits, correction_bias, top_k, scoring, renormalize, n_group,
                                    topk_group, routed_scaling_factor)
@@ -99,6 +103,35 @@ def _moe_route_lean(
     if renormalize:
         weights = weights.div_(weights.sum(dim=-1, keepdim=True))
     return (weights if routed_scaling_factor == 1.0 else weights.mul_(routed_scaling_factor)), ids
+
+
+def _sigmoid_route_lean(
+    router_logits: Tensor, correction_bias: Optional[Tensor], top_k: int, renormalize: bool, n_group: int,
+    topk_group: int, routed_scaling_factor: float,
+) -> tuple[Tensor, Tensor]:
+    """Sigmoid routing (DeepSeek-V3's, group-limited or not) as the reference computes it, in fewer
+    calls: NaN ranked as +inf by one ``nan_to_num`` (not ``isnan`` and ``where``), the groups left
+    out masked on the grouped view (no ``repeat_interleave`` of the group mask, no negation), the
+    scaling in place. The same results bit for bit (tests/test_cpu_path.py)."""
+    compute = torch.promote_types(router_logits.dtype, torch.float32)
+    scores = torch.sigmoid(router_logits.to(compute))
+    choice = scores if correction_bias is None else scores + correction_bias.to(compute)
+    choice = torch.nan_to_num(choice, nan=_INF, posinf=_INF, neginf=-_INF)
+    if n_group > 1:
+        rows, experts = choice.shape
+        grouped = choice.view(rows, n_group, experts // n_group)
+        group_scores = grouped.topk(min(2, experts // n_group), dim=-1)[0].sum(dim=-1)
+        best_groups = _top(torch.nan_to_num(group_scores, nan=_INF, posinf=_INF, neginf=-_INF), topk_group)
+        left_out = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, False)
+        choice = grouped.masked_fill(left_out.unsqueeze(-1), -_INF).view(rows, experts)
+    ids = _top(choice, top_k)
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return (weights if routed_scaling_factor == 1.0 else weights.mul_(routed_scaling_factor)), ids
+
+
+_INF = float("inf")
 
 
 #: Experts whose fp32 scores :func:`_top_keyed` ranks exactly (a tie-break below half an fp32 ulp).
@@ -128,7 +161,7 @@ def _top_keyed(scores: Tensor, k: int) -> Tensor:
 
 
 def _lean_reference(op_name: str, reference: object) -> object:
-    """Softmax routing with fewer kernels and allocations, bit-identical; other scorings eager."""
+    """Softmax and sigmoid routing with fewer kernels and allocations, bit-identical; other scorings eager."""
     return _moe_route_lean
 
 
