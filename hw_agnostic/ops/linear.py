@@ -67,7 +67,9 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
 
 
 def blocked_columns(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
-    """Whether :func:`linear` computes this call in column blocks (else it calls ``F.linear``)."""
+    """Whether this call's inputs admit the column blocks (see the module docstring): :func:`linear`
+    takes them when this holds and the weight has at least two blocks of output columns, else it
+    calls ``F.linear``."""
     # Cheapest refusals first: this runs on every projection of a decode step (0.4 µs, not 1.2).
     # Compiling is asked before any size is read, so a traced call guards on no row count.
     if x.dtype != torch.float32 or not _MKL or x.dim() < 2 or torch.compiler.is_compiling():

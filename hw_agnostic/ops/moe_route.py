@@ -70,8 +70,9 @@ def moe_route_reference(
 
 
 def _nan_as_inf(values: Tensor) -> Tensor:
-    """A NaN score ranks above every number, as ``torch.topk`` ranks it (it still weighs NaN)."""
-    return torch.where(torch.isnan(values), float("inf"), values)
+    """A NaN score ranks above every number, as ``torch.topk`` ranks it (it still weighs NaN).
+    One call: ``nan_to_num`` with the infinities kept as they are."""
+    return torch.nan_to_num(values, nan=float("inf"), posinf=float("inf"), neginf=-float("inf"))
 
 
 def _top(values: Tensor, k: int) -> Tensor:
@@ -110,28 +111,25 @@ def _sigmoid_route_lean(
     topk_group: int, routed_scaling_factor: float,
 ) -> tuple[Tensor, Tensor]:
     """Sigmoid routing (DeepSeek-V3's, group-limited or not) as the reference computes it, in fewer
-    calls: NaN ranked as +inf by one ``nan_to_num`` (not ``isnan`` and ``where``), the groups left
-    out masked on the grouped view (no ``repeat_interleave`` of the group mask, no negation), the
-    scaling in place. The same results bit for bit (tests/test_cpu_path.py)."""
+    calls: the groups left out masked on the grouped view (no ``repeat_interleave`` of the group
+    mask, no negation), the scaling in place. The same results bit for bit (tests/test_cpu_path.py)."""
     compute = torch.promote_types(router_logits.dtype, torch.float32)
     scores = torch.sigmoid(router_logits.to(compute))
     choice = scores if correction_bias is None else scores + correction_bias.to(compute)
-    choice = torch.nan_to_num(choice, nan=_INF, posinf=_INF, neginf=-_INF)
+    choice = _nan_as_inf(choice)
     if n_group > 1:
         rows, experts = choice.shape
         grouped = choice.view(rows, n_group, experts // n_group)
         group_scores = grouped.topk(min(2, experts // n_group), dim=-1)[0].sum(dim=-1)
-        best_groups = _top(torch.nan_to_num(group_scores, nan=_INF, posinf=_INF, neginf=-_INF), topk_group)
+        best_groups = _top(_nan_as_inf(group_scores), topk_group)
         left_out = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, False)
-        choice = grouped.masked_fill(left_out.unsqueeze(-1), -_INF).view(rows, experts)
+        choice = grouped.masked_fill(left_out.unsqueeze(-1), float("-inf")).view(rows, experts)
     ids = _top(choice, top_k)
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return (weights if routed_scaling_factor == 1.0 else weights.mul_(routed_scaling_factor)), ids
 
-
-_INF = float("inf")
 
 
 #: Experts whose fp32 scores :func:`_top_keyed` ranks exactly (a tie-break below half an fp32 ulp).
