@@ -281,7 +281,19 @@ def _assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(_bits(got.masked_fill(nan, 0)), _bits(want.masked_fill(nan, 0)))
 
 
-@pytest.mark.parametrize("activation,case", ACTIVATION_CASES, ids=lambda v: v if isinstance(v, str) else repr(v))
+#: Rows past compiled_reference.SINGLE_THREAD_ELEMENTS, where the fused compile runs on the intra-op
+#: threads: each thread's share and a vector tail, in both 16-bit dtypes and both swiglu layouts.
+THREADED_ACTIVATION_CASES = [
+    (activation, activation_tests.act_case(activation, lead, inter, dtype, interleaved=interleaved))
+    for activation in ("silu", "swiglu_oai")
+    for lead, inter, dtype, interleaved in (((37,), 1001, torch.bfloat16, True), ((3, 11), 2880, torch.float16, True),
+                                            ((29,), 1536, torch.bfloat16, False))
+    if interleaved or activation == "swiglu_oai"
+]
+
+
+@pytest.mark.parametrize("activation,case", ACTIVATION_CASES + THREADED_ACTIVATION_CASES,
+                         ids=lambda v: v if isinstance(v, str) else repr(v))
 def test_activations_are_bit_identical_to_the_reference(activation, case):
     """The eager chain and what the reference provider runs (16-bit rows: the fused compile)."""
     op = activation_tests.OPS[activation]
