@@ -120,13 +120,20 @@ def test_calls_it_cannot_take_run_the_forward():
     handle.remove()
     assert fired == [1] and counts["taken"] == 1  # the other layer took it
 
+    attention = model.model.layers[0].self_attn
+    attention.config._attn_implementation = "sdpa"  # its config no longer names the paged function
+    with torch.no_grad():
+        model(ids[:1])
+    attention.config._attn_implementation = "hw_agnostic_paged"
+    assert counts["taken"] == 2 and counts["declined"] == 4
+
     model.train()
     model(ids[:1]).logits.sum().backward()
-    assert counts["taken"] == 1
+    assert counts["taken"] == 2
     model.eval()
     with torch.no_grad():
         model(ids[:1])
-    assert counts["taken"] == 3
+    assert counts["taken"] == 4
 
 
 def test_a_merge_undone_by_verification_leaves_the_forward_to_run():
