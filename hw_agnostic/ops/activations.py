@@ -243,12 +243,12 @@ swiglu_oai_op = Op(
 
 def silu_and_mul(x: Tensor) -> Tensor:
     """``silu(x[..., :I]) * x[..., I:]`` for ``x = [..., 2 * I]``; result ``[..., I]``."""
-    return silu_and_mul_op(x)
+    return silu_and_mul_op.call(x)
 
 
 def gelu_and_mul(x: Tensor, approximate: str = "none") -> Tensor:
     """``gelu(x[..., :I], approximate) * x[..., I:]``; ``approximate="tanh"`` is Gemma's GELU."""
-    return gelu_and_mul_op(x, approximate)
+    return gelu_and_mul_op.call(x, approximate)
 
 
 def swiglu_oai(x: Tensor, alpha: float = 1.702, limit: float = 7.0, *, interleaved: bool = True) -> Tensor:
@@ -257,4 +257,4 @@ def swiglu_oai(x: Tensor, alpha: float = 1.702, limit: float = 7.0, *, interleav
     ``x = [..., 2 * I]`` holds gate and up interleaved (gpt-oss's layout) or, with
     ``interleaved=False``, as two halves with the gate first.
     """
-    return swiglu_oai_op(x, alpha, limit, interleaved)
+    return swiglu_oai_op.call(x, alpha, limit, interleaved)

@@ -303,4 +303,4 @@ def gated_rms_norm(
         A new tensor shaped like ``x``; dtype ``x.dtype``, except ``llama`` with
         ``gate_then_norm``, which returns ``weight * normed`` in their promoted dtype as Mamba-2 does.
     """
-    return gated_rms_norm_op(x, gate, weight, eps, order, group_size, numerics, activation)
+    return gated_rms_norm_op.call(x, gate, weight, eps, order, group_size, numerics, activation)

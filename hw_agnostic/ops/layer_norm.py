@@ -454,7 +454,7 @@ def layer_norm(
         A new tensor shaped like ``x``; dtype ``x.dtype`` (``cast_then_affine``: promoted with the
         parameters' dtypes).
     """
-    return layer_norm_op(x, weight, bias, eps, numerics)
+    return layer_norm_op.call(x, weight, bias, eps, numerics)
 
 
 def fused_add_layer_norm(
@@ -474,6 +474,6 @@ def fused_add_layer_norm(
     those two tensors are returned.
     """
     if inplace:
-        fused_add_layer_norm_inplace_op(x, residual, weight, bias, eps, numerics)
+        fused_add_layer_norm_inplace_op.call(x, residual, weight, bias, eps, numerics)
         return x, residual
-    return fused_add_layer_norm_op(x, residual, weight, bias, eps, numerics)
+    return fused_add_layer_norm_op.call(x, residual, weight, bias, eps, numerics)

@@ -220,4 +220,4 @@ def moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoEAlignment:
     (``[E + 2]``, non-decreasing) delimits the segments. Sizes are upper bounds computed from the
     shapes, so the call never waits for the device.
     """
-    return MoEAlignment(*moe_align_op(topk_ids, num_experts, block_m))
+    return MoEAlignment(*moe_align_op.call(topk_ids, num_experts, block_m))

@@ -329,5 +329,5 @@ def moe_route(
         its weight is NaN. Cast the weights as the model does (Qwen casts them to the model
         dtype, Mixtral and DeepSeek-V3 keep fp32).
     """
-    return moe_route_op(router_logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group,
+    return moe_route_op.call(router_logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group,
                         routed_scaling_factor)

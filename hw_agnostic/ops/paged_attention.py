@@ -645,7 +645,7 @@ def paged_attention(
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5 if isinstance(q, Tensor) and q.dim() == 3 else 1.0
-    return paged_attention_op(
+    return paged_attention_op.call(
         q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, scale, sliding_window, softcap, sinks,
         max_q_len, max_kv_len,
     )

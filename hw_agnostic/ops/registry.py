@@ -225,6 +225,8 @@ class Op:
         self._inherited_plans: dict[tuple[str, Any], Plan] = {}
         self.torch_op = self._register_custom_op()
         self.fusable_op = self._register_fusable_overload() if fusable else None
+        # An eager call in one frame (the public functions call it): see call_signature.call_function.
+        self.call = call_signature.call_function(self, reference, self.mutates_args, _tracers, self._call_general)
         _ops[name] = self
 
     # -- custom op ------------------------------------------------------------------------------
@@ -288,6 +290,11 @@ class Op:
     # -- dispatch -------------------------------------------------------------------------------
 
     def __call__(self, *args: Any) -> Any:
+        return self.call(*args)
+
+    def _call_general(self, *args: Any) -> Any:
+        """A call that :attr:`call`'s repeated-signature path does not take (traced, differentiated,
+        unreadable metadata) or, through :meth:`dispatch`, has not seen yet."""
         if (
             torch.compiler.is_compiling()
             or is_fx_symbolic_tracing()

@@ -370,7 +370,7 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *, n
         A new tensor shaped like ``x``; dtype ``x.dtype``, or in ``llama`` numerics the promotion
         of ``x.dtype`` and ``weight.dtype`` (HF multiplies after casting).
     """
-    return rms_norm_op(x, weight, eps, numerics)
+    return rms_norm_op.call(x, weight, eps, numerics)
 
 
 def fused_add_rms_norm(
@@ -389,6 +389,6 @@ def fused_add_rms_norm(
     must not overlap, and in ``llama`` numerics the weight must not promote the dtype.
     """
     if inplace:
-        fused_add_rms_norm_inplace_op(x, residual, weight, eps, numerics)
+        fused_add_rms_norm_inplace_op.call(x, residual, weight, eps, numerics)
         return x, residual
-    return fused_add_rms_norm_op(x, residual, weight, eps, numerics)
+    return fused_add_rms_norm_op.call(x, residual, weight, eps, numerics)

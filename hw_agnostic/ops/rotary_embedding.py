@@ -244,4 +244,4 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Te
     with ``R`` even and at most ``D``: the first ``R`` dims of every head are rotated (neox
     layout), the rest pass through. Returns new tensors laid out like ``q`` and ``k``.
     """
-    return rotary_embedding_op(q, k, cos, sin)
+    return rotary_embedding_op.call(q, k, cos, sin)

@@ -293,4 +293,4 @@ def write_kv_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
     head_dim]``. A negative slot marks a padding token, which is skipped. ``key`` / ``value`` may
     be strided views (e.g. of a fused QKV projection); they must have the caches' dtype.
     """
-    write_kv_cache_op(key, value, k_cache, v_cache, slot_mapping)
+    write_kv_cache_op.call(key, value, k_cache, v_cache, slot_mapping)
