@@ -77,6 +77,25 @@ def test_a_plan_is_built_once_per_key_and_counts_calls():
     assert len(op.plans()) == 2
 
 
+def test_the_eager_entry_names_a_missing_argument_and_leaves_fake_and_grad_calls_to_the_custom_op():
+    """``op.call`` (what the public functions call) is one generated frame: its parameters are the
+    reference's, and only a plain eager call takes its remembered-signature path."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = ops.get_op("layer_norm")
+    with pytest.raises(TypeError, match="numerics"):
+        op.call(torch.randn(2, 16), None, None, 1e-5)
+    x, weight = torch.randn(3, 16), torch.randn(16, requires_grad=True)
+    op.call(x, weight.detach(), None, 1e-5, "fp32")
+    out = op.call(x, weight, None, 1e-5, "fp32")  # same metadata, but autograd records it
+    assert out.grad_fn is not None
+    out.sum().backward()
+    assert weight.grad is not None and weight.grad.abs().sum() > 0
+    with FakeTensorMode() as mode:
+        fake = op.call(mode.from_tensor(x), None, None, 1e-5, "fp32")
+    assert type(fake).__name__ == "FakeTensor" and fake.shape == x.shape
+
+
 def test_trace_dispatch_records_in_call_order():
     x = torch.randn(2, 16)
     with ops.trace_dispatch() as ran:
