@@ -261,6 +261,24 @@ def test_attention_reference_sees_only_visible_keys(name, window, sinks):
     assert_close(got, want, torch.float32)
 
 
+@pytest.mark.parametrize("nan_query", [True, False], ids=["nan-query", "finite-queries"])
+@pytest.mark.parametrize("name, window, sinks", ATTENTION)
+def test_attention_cpu_path_sees_only_visible_keys(name, window, sinks, nan_query, monkeypatch):
+    """What the reference provider runs by default (SDPA over gathered pages) gives what the exact
+    reference gives with NaN / inf among unseen and seen keys and values, a NaN query or not."""
+    monkeypatch.setenv("HW_AGNOSTIC_COMPILE_REFERENCE", "1")
+    ops.reset(compiled_references=True)
+    try:
+        args = _attention_batch(name, window, sinks)
+        if not nan_query:
+            args[0][3, 1, 0] = 1.0
+        got = ops.paged_attention(*args[:6], scale=args[6], sliding_window=window, sinks=args[9])
+        assert torch.isnan(got[3, 1]).all() == nan_query and not torch.isnan(got[:3]).any()
+        assert_close(got, _exact_attention(*args), torch.float32)
+    finally:
+        ops.reset(compiled_references=True)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["reference", "cpu-path"])
 def test_attention_reference_propagates_a_nan_query_as_hf_attention_does(compiled, monkeypatch):
     """HF's eager attention and SDPA with a mask give NaN (CPU SDPA's flash path with

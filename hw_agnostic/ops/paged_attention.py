@@ -190,8 +190,6 @@ class _ReferenceAttention:
         spans = [(bounds[s], bounds[s + 1], n) for s, n in enumerate(lengths)]
         if any(end - start > n for start, end, n in spans):  # queries that see no key: the reference's zeros
             return self.reference(*args)
-        if not bool(torch.isfinite(q).all()):  # CPU SDPA's causal flash path turns a NaN query into 0
-            return self.reference(*args)
         out = torch.zeros_like(q)
         block_size = k_cache.shape[1]
         decode: dict[int, list[int]] = {}
@@ -211,10 +209,13 @@ class _ReferenceAttention:
                 blocks = block_table[index, : -(-kv_len // block_size)]
                 out[rows] = self._attend(q[rows][:, None], k_cache, v_cache, blocks, kv_len, scale,
                                          sliding_window)[:, 0]
-        if not bool(torch.isfinite(out).all()):
-            # NaN or infinities met in the pages or the queries: SDPA lets a key a row cannot see
-            # poison it (0 * NaN), the reference does not. Non-finite inputs that change nothing
-            # here (a key at -inf) leave the output finite.
+        # NaN or infinities met in the pages: SDPA lets a key a row cannot see poison it (0 * NaN),
+        # the reference does not (non-finite inputs that change nothing, a key at -inf, leave the
+        # output finite); in the queries: CPU SDPA's causal flash path turns a NaN query into 0.
+        # Either way the reference runs. One fp32 sum of each, not isfinite().all(): 0.16 against
+        # 2.5 ms for a 512-token prefill's queries (a sum that overflows only sends the call to the
+        # reference too).
+        if not bool(torch.isfinite(q.sum(dtype=torch.float32) + out.sum(dtype=torch.float32))):
             return self.reference(*args)
         return out
 
@@ -228,10 +229,6 @@ class _ReferenceAttention:
         if q_len == 1 and sliding_window is not None:  # one query sees the window's last keys: no mask needed
             first = max(0, kv_len - sliding_window)
 
-        def pages(cache: Tensor) -> Tensor:  # [b, Hkv, keys, D]; index_select copies whole blocks
-            gathered = cache.index_select(0, blocks.reshape(-1)).view(*blocks.shape, *cache.shape[1:])
-            return gathered.flatten(1, 2)[:, first:kv_len].to(compute).transpose(1, 2)
-
         mask, causal = None, False
         if q_len > 1:
             if sliding_window is None and q_len == kv_len:
@@ -242,6 +239,14 @@ class _ReferenceAttention:
                 mask = index <= positions
                 if sliding_window is not None:
                     mask &= index > positions - sliding_window
+
+        def pages(cache: Tensor) -> Tensor:  # [b, Hkv, keys, D]; index_select copies whole blocks
+            gathered = cache.index_select(0, blocks.reshape(-1)).view(*blocks.shape, *cache.shape[1:])
+            heads_first = gathered.flatten(1, 2)[:, first:kv_len].to(compute).transpose(1, 2)
+            # A whole prompt's causal flash kernel runs faster on contiguous heads (512 tokens at
+            # Llama-3-8B's: 15.1 against 17.3 ms, the copy included); decode and masked chunks
+            # read the strided view faster (8 x 2048 decode: 17 against 44 ms with the copy).
+            return heads_first.contiguous() if causal else heads_first
         attended = torch.nn.functional.scaled_dot_product_attention(
             queries.to(compute).transpose(1, 2), pages(k_cache), pages(v_cache), attn_mask=mask, is_causal=causal,
             scale=scale, enable_gqa=True)

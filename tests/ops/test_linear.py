@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
+
 import pytest
 import torch
 import torch._dynamo.testing
@@ -14,6 +17,14 @@ from hw_agnostic.ops import linear
 from hw_agnostic.ops.linear import BLOCK_COLUMNS, MAX_ROWS, MAX_THREADS, blocked_columns
 
 MKL = torch.backends.mkl.is_available()
+linear_module = importlib.import_module("hw_agnostic.ops.linear")  # ops.linear is the function
+CACHE_BOUND = linear_module.min_blocked_weight_bytes  # before the fixture below replaces it
+
+
+@pytest.fixture(autouse=True)
+def _blocks_for_every_weight(monkeypatch):
+    """The tests' weights are small: let the blocks take them whatever this machine's cache."""
+    monkeypatch.setattr(linear_module, "min_blocked_weight_bytes", lambda rows: 0)
 
 
 def _case(rows: int, columns: int, width: int, bias: bool, seed: int = 0) -> tuple:
@@ -165,3 +176,21 @@ def test_merged_projections_run_it() -> None:
         expected = F.linear(mlp.act_fn(F.linear(x, mlp.gate_up_proj.weight)), mlp.down_proj.weight)
         assert torch.equal(mlp(x), expected)
         assert torch.equal(torch.cat(qkv(x), dim=-1), F.linear(x, qkv.proj.weight))
+
+
+@pytest.mark.skipif(not MKL, reason="the blocked schedule is for MKL's SGEMM")
+def test_weights_the_cache_holds_keep_the_one_call(monkeypatch) -> None:
+    """Past a few rows the blocks pay only for a weight the CPU's largest cache cannot hold (see the
+    module docstring)."""
+    x, weight, b = _case(8, 2 * BLOCK_COLUMNS, 64, True)
+    calls, asked = [], []
+    monkeypatch.setattr(torch, "addmm", lambda *a, **k: calls.append(1) or torch.ops.aten.addmm.out(
+        *a, out=k["out"]))
+    with torch.no_grad():
+        monkeypatch.setattr(linear_module, "min_blocked_weight_bytes", lambda rows: asked.append(rows) or weight.nbytes)
+        assert torch.equal(linear(x, weight, b), F.linear(x, weight, b)) and not calls and asked == [8]
+        monkeypatch.setattr(linear_module, "min_blocked_weight_bytes", lambda rows: weight.nbytes - 1)
+        assert torch.equal(linear(x, weight, b), F.linear(x, weight, b)) and len(calls) == 2
+    cache = linear_module.largest_cache_bytes(torch.device("cpu"))
+    few, many = linear_module.FEW_ROWS, linear_module.FEW_ROWS + 1
+    assert (CACHE_BOUND(few), CACHE_BOUND(many)) == (0, 2 * cache if cache else sys.maxsize)
