@@ -22,10 +22,10 @@ machine's last-level cache is 32 MiB. On an Intel Xeon whose last level holds 50
 in the model suite's 2-layer Llama-3-8B-wide model (every projection's weight cycling through the
 cache, as in a real step; one weight timed alone stays cached and misleads) the blocks took a
 decode step of 8 rows from 197 to 191 ms and a 16-token prompt from 210 to 197, but a 64-token one
-from 312 to 314 ms, 128 tokens from 486 to 493 and 512 from 1676 to 1688. A weight many times the cache gains at every row count
-(the EPYC); one about the cache's size only at a few rows. So past :data:`FEW_ROWS` rows the blocks
-run only for a weight over twice the CPU's largest cache (:func:`min_blocked_weight_bytes`; never
-where the machine does not say).
+from 312 to 314 ms, 128 tokens from 486 to 493 and 512 from 1676 to 1688. A weight many times the
+cache gains at every row count (the EPYC); one about the cache's size only at a few rows. So past
+:data:`FEW_ROWS` rows the blocks run only for a weight over twice the CPU's largest cache
+(:func:`min_blocked_weight_bytes`; never where the machine does not say).
 """
 
 from __future__ import annotations
@@ -78,9 +78,9 @@ FEW_ROWS = 32
 
 
 def min_blocked_weight_bytes(rows: int) -> int:
-    """The weight size (bytes) above which the column blocks pay for ``rows`` rows: none up to
-    :data:`FEW_ROWS`, twice the CPU's largest cache beyond, and beyond that where the machine does
-    not say its cache size, never (see the module docstring)."""
+    """The weight size (bytes) above which the column blocks pay for ``rows`` rows: 0 up to
+    :data:`FEW_ROWS` rows; past them twice the CPU's largest cache, or ``sys.maxsize`` (never) where
+    the machine does not say its size (see the module docstring)."""
     if rows <= FEW_ROWS:
         return 0
     cache = _cpu_cache_bytes()

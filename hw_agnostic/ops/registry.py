@@ -293,8 +293,8 @@ class Op:
         return self.call(*args)
 
     def _call_general(self, *args: Any) -> Any:
-        """A call that :attr:`call`'s repeated-signature path does not take (traced, differentiated,
-        unreadable metadata) or, through :meth:`dispatch`, has not seen yet."""
+        """A call that :attr:`call`'s repeated-signature path does not take: traced, differentiated,
+        or with metadata it cannot read (one whose signature it has not seen goes to :meth:`dispatch`)."""
         if (
             torch.compiler.is_compiling()
             or is_fx_symbolic_tracing()
