@@ -299,3 +299,12 @@ def test_the_kernels_of_the_inplace_ops_bump_what_they_write(inplace_op):
         op(*args)
     assert [p.provider for p in ran] == [provider]
     assert all(t._version > v for t, v in zip(written, before))
+
+
+def test_a_reference_parameter_that_would_hide_a_name_of_the_generated_call_is_refused():
+    def reference(x: torch.Tensor, type: str) -> torch.Tensor:
+        return x
+
+    with pytest.raises(ValueError, match=r"\['type'\] would hide names"):
+        Op("hides_a_name", reference, check=lambda x, type: None, key=lambda x, type: None)
+    assert "hides_a_name" not in ops.all_ops() and not hasattr(torch.ops.hw_agnostic, "hides_a_name")

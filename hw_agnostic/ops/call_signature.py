@@ -80,6 +80,9 @@ def requires_grad_function(reference: Callable[..., Any]) -> Callable[..., bool]
     return _compile("any_requires_grad", parameters, f"bool({tests})")
 
 
+_NAMES_THE_CALL_USES = frozenset({"Tensor", "type", "isinstance", "bool"})
+
+
 def call_function(op: Any, reference: Callable[..., Any], mutated: tuple[str, ...], tracers: list[Any],
                   general: Callable[..., Any]) -> Callable[..., Any]:
     """``f(*args)``: an eager call of ``op`` in one frame, written out for ``reference``'s parameters.
@@ -93,8 +96,10 @@ def call_function(op: Any, reference: Callable[..., Any], mutated: tuple[str, ..
     one missing says which."""
     names = list(inspect.signature(reference).parameters)
     kinds = [kind for _, kind in _parameters(reference)]
-    if any(name.startswith("_") for name in names):
-        raise ValueError(f"{op.name}: reference parameters must not start with '_' (the call's own names do): {names}")
+    taken = [name for name in names if name.startswith("_") or name in _NAMES_THE_CALL_USES]
+    if taken:
+        raise ValueError(f"{op.name}: reference parameters {taken} would hide names the generated call uses "
+                         f"(names starting with '_', {sorted(_NAMES_THE_CALL_USES)})")
     arguments = ", ".join(names)
     metadata = ", ".join(_metadata(name, kind) for name, kind in zip(names, kinds))
     requires_grad = " or ".join(_requires_grad(name, kind) for name, kind in zip(names, kinds)) or "False"

@@ -223,10 +223,11 @@ class Op:
         self._checked: dict[tuple[Any, ...], tuple[Plan, Callable[..., Any]]] = {}
         # Plans of calls made inside another op under that op's forcing (see run_inside).
         self._inherited_plans: dict[tuple[str, Any], Plan] = {}
+        # An eager call in one frame (the public functions call it): see call_signature.call_function.
+        # Made first: it refuses parameter names it cannot take before anything is registered.
+        self.call = call_signature.call_function(self, reference, self.mutates_args, _tracers, self._call_general)
         self.torch_op = self._register_custom_op()
         self.fusable_op = self._register_fusable_overload() if fusable else None
-        # An eager call in one frame (the public functions call it): see call_signature.call_function.
-        self.call = call_signature.call_function(self, reference, self.mutates_args, _tracers, self._call_general)
         _ops[name] = self
 
     # -- custom op ------------------------------------------------------------------------------
