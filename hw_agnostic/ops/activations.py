@@ -49,17 +49,18 @@ def swiglu_oai_reference(x: Tensor, alpha: float, limit: float, interleaved: boo
 
 # --------------------------------------------------------------------------------------------
 # what the reference provider runs (CPU). Contiguous 16-bit rows of the sigmoid-gated ops: the
-# lean compiled reference, one fused call (single-threaded up to SINGLE_THREAD_ELEMENTS, on the
-# intra-op threads above) that rounds each intermediate as eager does, so bit-identical (the tests
-# check, above and below that size) where the chain below makes up to seven calls and allocates an
-# intermediate for each. Measured on an Intel Xeon (2 threads), fused against the chain:
-# swiglu_oai 1 x 2880 bf16 16 against 26 us, 16 x 2880 74 against 86, 4096 x 2880 18.0 against
-# 34.2 ms; silu_and_mul 16 x 2048 15 against 25 us, 4096 x 2048 2.9 against 3.4 ms; never slower
-# beyond noise (256 rows: level). Everything else: the references' own ATen kernels, in the same
-# order, with every intermediate after the first written in place, so bit-identical too while only
-# the result is allocated (a fresh output costs page faults per 4 KiB at large sizes and an
-# allocator call at decode sizes). Inductor's erf and tanh round differently from ATen's (GELU, in
-# 16 bits too), and in fp32 its products by a Python float differ by an ulp from eager's.
+# lean compiled reference, one fused call (single-threaded up to
+# compiled_reference.SINGLE_THREAD_ELEMENTS, on the intra-op threads above) that rounds each
+# intermediate as eager does, so bit-identical (the tests check, above and below that size) where
+# the chain below makes up to seven calls and allocates an intermediate for each. Measured on an
+# Intel Xeon (2 threads), fused against the chain: swiglu_oai 1 x 2880 bf16 16 against 26 us,
+# 16 x 2880 74 against 86, 4096 x 2880 18.0 against 34.2 ms; silu_and_mul 16 x 2048 15 against
+# 25 us, 4096 x 2048 2.9 against 3.4 ms; never slower beyond noise (256 rows: level). Everything
+# else: the references' own ATen kernels, in the same order, with every intermediate after the
+# first written in place, so bit-identical too while only the result is allocated (a fresh output
+# costs page faults per 4 KiB at large sizes and an allocator call at decode sizes). Inductor's
+# erf and tanh round differently from ATen's (GELU, in 16 bits too), and in fp32 its products by a
+# Python float differ by an ulp from eager's.
 
 
 def _silu_and_mul_lean(x: Tensor) -> Tensor:

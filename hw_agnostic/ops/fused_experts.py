@@ -313,5 +313,5 @@ def fused_experts(
     Returns:
         ``[T, H]`` in ``hidden.dtype``.
     """
-    return fused_experts_op.call(hidden, w_gate_up, w_down, topk_weights, topk_ids, gate_up_bias, down_bias, activation,
-                            transposed, interleaved, swiglu_alpha, swiglu_limit)
+    return fused_experts_op.call(hidden, w_gate_up, w_down, topk_weights, topk_ids, gate_up_bias, down_bias,
+                                 activation, transposed, interleaved, swiglu_alpha, swiglu_limit)

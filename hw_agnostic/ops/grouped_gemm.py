@@ -294,5 +294,5 @@ def grouped_gemm(
         scale.dtype)`` with a scale. Each product is rounded to ``a.dtype`` before the bias and the
         scale are applied, as ``grouped_mm`` followed by ``+ bias`` and ``* scale`` rounds.
     """
-    return grouped_gemm_op.call(a, weight, alignment.sorted_pairs, alignment.block_experts, pairs_per_row, transposed,
-                           bias, scale)
+    return grouped_gemm_op.call(a, weight, alignment.sorted_pairs, alignment.block_experts, pairs_per_row,
+                                transposed, bias, scale)

@@ -54,9 +54,7 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """``F.linear(x, weight, bias)``: the same values, bit for bit, in less time where
     :func:`blocked_columns` applies (see the module docstring)."""
-    # (the weight's bytes after the rule: it refuses a traced call before any size is read)
-    if (weight.shape[0] < 2 * BLOCK_COLUMNS or not blocked_columns(x, weight, bias)
-            or weight.nbytes <= min_blocked_weight_bytes(x.numel() // x.shape[-1])):
+    if weight.shape[0] < 2 * BLOCK_COLUMNS or not blocked_columns(x, weight, bias):
         return F.linear(x, weight, bias)
     columns, width = weight.shape
     out = torch.empty((*x.shape[:-1], columns), dtype=x.dtype, device=x.device)
@@ -93,19 +91,22 @@ def _cpu_cache_bytes() -> int | None:
 
 
 def blocked_columns(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
-    """Whether this call's inputs admit the column blocks (see the module docstring): :func:`linear`
-    takes them when this holds and the weight has at least two blocks of output columns and is over
-    :func:`min_blocked_weight_bytes`, else it calls ``F.linear``."""
+    """Whether this call's inputs admit the column blocks and its weight is large enough for them to
+    pay (:func:`min_blocked_weight_bytes`; see the module docstring): :func:`linear` takes them when
+    this holds and the weight has at least two blocks of output columns, else it calls ``F.linear``."""
     # Cheapest refusals first: this runs on every projection of a decode step (0.4 µs, not 1.2).
     # Compiling is asked before any size is read, so a traced call guards on no row count.
     if x.dtype != torch.float32 or not _MKL or x.dim() < 2 or torch.compiler.is_compiling():
         return False
     width = x.shape[-1]
-    if width == 0 or not MIN_ROWS <= x.numel() // width <= MAX_ROWS or torch.get_num_threads() > MAX_THREADS:
+    rows = x.numel() // width if width else 0
+    if not MIN_ROWS <= rows <= MAX_ROWS or torch.get_num_threads() > MAX_THREADS:
         return False
     if not (type(x) in _PLAIN and type(weight) in _PLAIN and (bias is None or type(bias) in _PLAIN)):
         return False
     if x.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] != width:
+        return False
+    if weight.nbytes <= min_blocked_weight_bytes(rows):
         return False
     if not (x.is_contiguous() and weight.is_contiguous() and weight.device.type == "cpu"):
         return False

@@ -131,7 +131,6 @@ def _sigmoid_route_lean(
     return (weights if routed_scaling_factor == 1.0 else weights.mul_(routed_scaling_factor)), ids
 
 
-
 #: Experts whose fp32 scores :func:`_top_keyed` ranks exactly (a tie-break below half an fp32 ulp).
 MAX_KEYED_EXPERTS = 1 << 15
 _tie_breaks: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
@@ -332,4 +331,4 @@ def moe_route(
         dtype, Mixtral and DeepSeek-V3 keep fp32).
     """
     return moe_route_op.call(router_logits, correction_bias, top_k, scoring, renormalize, n_group, topk_group,
-                        routed_scaling_factor)
+                             routed_scaling_factor)
