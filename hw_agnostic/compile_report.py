@@ -196,7 +196,8 @@ def walk(shapes: Sequence[Shape], target_names: Sequence[str], *, platform: str 
             rows.append(row)
         bar.update(1)
     bar.close()
-    columns = ["op", "tokens", "width", "dtype", "kernel", "target", "ok", "registers", "spill_bytes", "shared",
+    columns = ["op", "tokens", "width", "dtype", "kernel", "target", "ok", "registers", "spill_bytes",
+               "loop_spill_bytes", "shared",
                "shared_limit", "load_bits", "store_bits", "matrix", "vector_rule", "num_warps", "num_stages",
                "grid", "seconds", "config", "signature", "source", "launched_by", "memory_bound", "error",
                "problems"]
@@ -218,8 +219,9 @@ def summary_markdown(frame: Any, *, command: str, seconds: float) -> str:
         f"helion {_version('helion')}, torch {torch.__version__}; {seconds:.0f} s). Every op on the shapes of real "
         "models, launched with the configs a GPU of that target would get, compiled by Triton's own backends from "
         "the JIT-specialised launch arguments. Rules (`hw_agnostic/kernels/targets.py`): compiles, no register "
-        "spills, shared memory within the target's limit, 128-bit loads in memory-bound kernels on aligned "
-        "contiguous rows. `report.csv` has every row.",
+        "spills (on NVIDIA targets a few bytes are allowed when the SASS shows every spill access outside the "
+        "loops: `loop_spill_bytes` 0), shared memory within the target's limit, 128-bit loads in memory-bound "
+        "kernels on aligned contiguous rows. `report.csv` has every row.",
         "",
         "## Per target",
         "",
@@ -231,7 +233,9 @@ def summary_markdown(frame: Any, *, command: str, seconds: float) -> str:
             "target": target,
             "compiles": len(group),
             "failed": int((~group["ok"].astype(bool)).sum()),
-            "spilling": int((group["spill_bytes"].fillna(0) > 0).sum()),
+            "spilling": int(group["problems"].fillna("").str.contains("spills").sum()),
+            "spilling outside loops": int(((group["spill_bytes"].fillna(0) > 0)
+                                           & ~group["problems"].fillna("").str.contains("spills")).sum()),
             "over shared limit": int((group["shared"].fillna(0) > group["shared_limit"].fillna(float("inf"))).sum()),
             "without 128-bit loads": int(group["problems"].fillna("").str.contains("128-bit").sum()),
             "max registers": int(group["registers"].max()) if group["registers"].notna().any() else None,

@@ -203,16 +203,16 @@ def test_align_kernels_range_test_int64_ids(case, device):
 # paged attention
 
 
-def _attention_batch(name: str, window, sinks: bool, dtype=torch.float32):
+def _attention_batch(name: str, window, sinks: bool, dtype=torch.float32, head_dim: int = 16):
     """A prefill, a decode and a chunked-prefill sequence; unwritten slots and spare blocks hold
     NaN, a future key of the prefill's early queries holds NaN / inf, a key leaving the window
     holds inf, one query row is NaN."""
     g = seeded_generator(name)
     q_lens, kv_lens, block_size = [20, 1, 5], [20, 27, 9], 8
     q, k_cache, v_cache, table, cu, lens = example_paged_batch(
-        q_lens, kv_lens, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=block_size, dtype=dtype,
+        q_lens, kv_lens, num_q_heads=4, num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=dtype,
         device="cpu", generator=g)
-    slots_k, slots_v = k_cache.view(-1, 2, 16), v_cache.view(-1, 2, 16)
+    slots_k, slots_v = k_cache.view(-1, 2, head_dim), v_cache.view(-1, 2, head_dim)
     used = {int(table[s, j // block_size]) * block_size + j % block_size for s, n in enumerate(kv_lens) for j in range(n)}
     for slot in set(range(slots_k.shape[0])) - used:
         slots_k[slot], slots_v[slot] = NAN, NAN
@@ -225,7 +225,7 @@ def _attention_batch(name: str, window, sinks: bool, dtype=torch.float32):
     slots_v[slot(2), 0, 5] = INF
     q[3, 1, 0] = NAN
     sink_logits = torch.randn(4, generator=g) if sinks else None
-    return (q, k_cache, v_cache, table, cu, lens, 16**-0.5, window, None, sink_logits, max(q_lens), max(kv_lens))
+    return (q, k_cache, v_cache, table, cu, lens, head_dim**-0.5, window, None, sink_logits, max(q_lens), max(kv_lens))
 
 
 def _exact_attention(q, k_cache, v_cache, table, cu, lens, scale, window, softcap, sinks, *hints):
@@ -304,13 +304,17 @@ def _check_nan_query_attention() -> None:
     assert_close(got, want[0].transpose(0, 1).double(), torch.float32)
 
 
-def attention_case(name, window, sinks, splits):
+def attention_case(name, window, sinks, splits, head_dim=16):
     config = {"block_sizes": [16, 8], "num_warps": 4, "num_stages": 1, "num_splits": splits}
-    return Case(f"attention-{name}-splits{splits}", lambda: _attention_batch(name, window, sinks), config)
+    wide = f"-hd{head_dim}" if head_dim != 16 else ""
+    return Case(f"attention-{name}-splits{splits}{wide}",
+                lambda: _attention_batch(name, window, sinks, head_dim=head_dim), config)
 
 
+# Head dim 256 takes the kernel's key-by-key pass over non-finite values (above KEY_BY_KEY_HEAD_DIM).
 ATTENTION_CASES = [attention_case(n, w, s, 1) for n, w, s in ATTENTION] + [
-    attention_case("window-sinks", 6, True, 3), attention_case("causal", None, False, 2)]
+    attention_case("window-sinks", 6, True, 3), attention_case("causal", None, False, 2),
+    attention_case("window-sinks", 6, True, 1, head_dim=256), attention_case("causal", None, False, 2, head_dim=256)]
 
 
 @pytest.mark.dsl

@@ -14,7 +14,8 @@ The rule, per key and target:
 1. Candidates are the kernel's built-in default, then its search space ordered by distance from
    the default (how many settings differ, nested configs included), at most ``budget`` of them.
 2. Each is launched through the op on meta tensors of the key's shape and compiled for the target.
-3. A candidate qualifies when every launch compiles, spills nothing, fits the target's shared
+3. A candidate qualifies when every launch compiles, spills nothing (beyond the few bytes outside
+   loops :mod:`~hw_agnostic.kernels.targets` allows on NVIDIA targets), fits the target's shared
    memory, and (memory-bound kernels on aligned rows) reads with 128-bit vectors.
 4. Among qualifying candidates the best uses the best matrix instruction the target has for
    each of its products (``wgmma`` over ``mma.sync`` on sm_90, ``tcgen05`` on sm_100, ``mfma`` on

@@ -54,7 +54,8 @@ reference path validates the metadata and raises.
 
 NaN and infinities: the P @ V product takes only the finite values (a key a row cannot see has
 probability 0, and 0 * NaN would be NaN); when a program met non-finite values, a second pass
-over its keys adds them to exactly the rows that see them (:func:`_nonfinite_values`).
+over its keys adds them to exactly the rows that see them (:func:`_nonfinite_values`; key by key at
+head dims above 128, :func:`_add_nonfinite_values`).
 """
 
 from __future__ import annotations
@@ -102,6 +103,29 @@ def _nonfinite_values(visible: torch.Tensor, v_tile: torch.Tensor) -> torch.Tens
     poisoned = (nans > 0.0) | ((positives > 0.0) & (negatives > 0.0))
     return torch.where(poisoned, float("nan"), torch.where(positives > 0.0, float("inf"),
                        torch.where(negatives > 0.0, float("-inf"), 0.0)))
+
+
+def _add_nonfinite_values(acc: torch.Tensor, seen: torch.Tensor, v_key: torch.Tensor) -> torch.Tensor:
+    """``acc [rows, head_dim]`` plus the NaN and infinite values of one key (``v_key [1, head_dim]``)
+    in the rows that see it (``seen [rows, 1]``); inlined into the kernel. Added key by key they
+    are sticky, as in the full sum of the products: +inf and -inf give NaN, NaN stays NaN.
+
+    One key at a time, elementwise: nothing but the accumulator is live, where a dot counting the
+    visible non-finite values (a ``[rows, head_dim]`` count tile beside it) made every 64-row tile
+    at head dim 256 spill registers on sm_90, keeping prefill there off ``wgmma``.
+    """
+    # the tile's one key as vectors (Helion does not broadcast a block-size-1 tile dim against a full one)
+    values = torch.sum(v_key.to(torch.float32), dim=0, keepdim=True)  # fp32: libdevice has no bf16 isnan
+    sees = torch.amax(torch.where(seen, 1.0, 0.0), dim=1, keepdim=True) > 0.0
+    nonfinite = (torch.abs(values) == float("inf")) | (values != values)
+    return acc + torch.where(sees & nonfinite, values, 0.0)
+
+
+#: Head dims above which the pass over non-finite values goes key by key (:func:`_add_nonfinite_values`):
+#: there the dot's ``[rows, head_dim]`` count tile beside the accumulator made every 64-row tile
+#: spill on sm_90, keeping prefill off ``wgmma``; at 128 and below the dot's pass keeps gfx1100's
+#: 64x64 tiles from spilling (the key-by-key one spills 792 bytes there).
+KEY_BY_KEY_HEAD_DIM = 128
 
 
 def _unowned_share(cu_seqlens_q: torch.Tensor, num_seqs: int, heads: int, q_rows: int, program: int,
@@ -153,6 +177,7 @@ def _paged_attention(
     group: _constexpr,
     page: _constexpr,
     has_softcap: _constexpr,
+    nonfinite_key_by_key: _constexpr,
     split: _constexpr,
     packed: _constexpr,
 ) -> None:
@@ -256,12 +281,20 @@ def _paged_attention(
         if torch.amax(unusual, dim=0) > 0.0:
             # Rare: NaN or infinities among the values. A second pass adds them (sticky under the
             # rescaling) to the rows that see them; apart from it, the hot loop stays as lean as before.
-            for tile_r in hl.tile(kv_begin, kv_end, block_size=block_keys):
-                again = tile_r.index
-                v_again = hl.load(v_cache, [_slots(again, seq, table, table_stride, page, max_blocks, num_slots), kv_head, dims],
-                                  extra_mask=(again < kv_end)[:, None] & dims_ok[None, :])
-                seen = (again[None, :] <= position[:, None]) & (again[None, :] > position[:, None] - window)
-                acc = acc + _nonfinite_values(seen & row_ok[:, None], v_again)
+            if nonfinite_key_by_key:  # head dims above 128: see KEY_BY_KEY_HEAD_DIM
+                for tile_j in hl.tile(kv_begin, kv_end, block_size=1):
+                    j = tile_j.index
+                    v_key = hl.load(v_cache, [_slots(j, seq, table, table_stride, page, max_blocks, num_slots), kv_head, dims],
+                                    extra_mask=(j < kv_end)[:, None] & dims_ok[None, :])
+                    sees_j = (j[None, :] <= position[:, None]) & (j[None, :] > position[:, None] - window)
+                    acc = _add_nonfinite_values(acc, sees_j & row_ok[:, None], v_key)
+            else:
+                for tile_r in hl.tile(kv_begin, kv_end, block_size=block_keys):
+                    again = tile_r.index
+                    v_again = hl.load(v_cache, [_slots(again, seq, table, table_stride, page, max_blocks, num_slots), kv_head, dims],
+                                      extra_mask=(again < kv_end)[:, None] & dims_ok[None, :])
+                    seen = (again[None, :] <= position[:, None]) & (again[None, :] > position[:, None] - window)
+                    acc = acc + _nonfinite_values(seen & row_ok[:, None], v_again)
 
         normaliser = torch.where(row_sum == 0.0, 1.0, row_sum)
         result = acc / normaliser[:, None]
@@ -513,7 +546,8 @@ def merge_config(num_splits: int, packed_rows: int) -> Config:
 
 
 PAGED_ATTENTION = KernelSpec(
-    "paged_attention", (_slots, _nonfinite_values, _unowned_share, _unowned_row, _paged_attention, _merge_splits),
+    "paged_attention",
+    (_slots, _nonfinite_values, _add_nonfinite_values, _unowned_share, _unowned_row, _paged_attention, _merge_splits),
     default_paged_attention_config,
     paged_attention_candidates,
 )

@@ -511,7 +511,8 @@ class _AttentionLaunch:
             float(softcap) if softcap is not None else 1.0,
             int(sliding_window) if sliding_window is not None else NO_WINDOW, num_splits, packed,
             max(block_table.shape[1], 1), table_stride, self.block_rows, grid.blocks_per_seq, grid.rows(self.block_rows),
-            self.group, self.key.block_size, self.key.softcap, num_splits > 1, grid.packed,
+            self.group, self.key.block_size, self.key.softcap, head_dim > kernels.KEY_BY_KEY_HEAD_DIM, num_splits > 1,
+            grid.packed,
         )
         return attention_args, merge_args
 

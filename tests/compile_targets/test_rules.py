@@ -193,3 +193,46 @@ def test_a_kernel_following_roundings_compiles_without_fma_contraction(fp_fusion
     assert binary.metadata.enable_fp_fusion is fp_fusion
     if not fp_fusion:
         assert "fma.rn.bf16" not in binary.asm["ptx"] and "mul.rn.bf16" in binary.asm["ptx"]
+
+
+SASS_WITH_A_LOOP = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   STL [R1+0x4], R105 ;
+.L_x_3:
+        /*0020*/                   HGMMA.64x16x16.F32.BF16 R96, gdesc[UR52], RZ, !UPT ;
+        /*0030*/                   {IN_LOOP}
+        /*0040*/              @!P6 BRA `(.L_x_3) ;
+        /*0050*/              @P0 BRA `(.L_x_4) ;
+.L_x_4:
+        /*0060*/                   LDL.LU R151, [R1+0x4] ;
+        /*0070*/                   EXIT ;
+.L_x_5:
+        /*0080*/                   BRA `(.L_x_5);
+"""
+
+
+@pytest.mark.parametrize("in_loop, inside", [("NOP ;", 0), ("STL.64 [R1+0x8], R4 ;", 8), ("LDL.128 R4, [R1] ;", 16),
+                                             ("STS [R3], R4 ;", 0)])
+def test_spill_accesses_are_placed_inside_or_outside_the_loops(in_loop, inside):
+    """A loop is a label and a later branch back to it (not the forward branch, not the trailing
+    self-loop after EXIT, which holds no spill); shared-memory stores are not spills."""
+    assert targets.sass_loop_spill_bytes(SASS_WITH_A_LOOP.replace("{IN_LOOP}", in_loop)) == inside
+
+
+def test_a_few_spills_outside_the_loops_pass_and_spills_in_a_loop_fail():
+    """Head-dim-256 prefill attention on 64x32 tiles parks two registers in local memory before its
+    loops and reads them back after (16 bytes): allowed, and that is what gives sm_90 prefill at
+    head dim 256 wgmma; 64x64 tiles spill inside the hot loop: a problem naming the bytes."""
+    attention = ops.get_op("paged_attention")
+    args = attention.example_inputs(4096, 256, torch.bfloat16, "meta")
+    records = {}
+    for keys in (32, 64):
+        config = {"block_sizes": [64, keys], "num_warps": 8, "num_stages": 2, "num_splits": "auto"}
+        with targets.compile_for(["sm_90"], run_reference=False) as log, ops.use_config(attention, config):
+            attention(*args)
+        (records[keys],) = [r for r in log.records if r.kernel == "paged_attention"]
+    few, many = records[32], records[64]
+    assert 0 < few.spill_bytes <= targets.MAX_OUT_OF_LOOP_SPILL_BYTES and few.loop_spill_bytes == 0
+    assert few.problems() == [] and few.matrix == "wgmma"
+    assert many.loop_spill_bytes > 0
+    assert [f"{many.loop_spill_bytes} of them inside loops" in p for p in many.problems()] == [True]
