@@ -220,9 +220,10 @@ def test_spill_accesses_are_placed_inside_or_outside_the_loops(in_loop, inside):
 
 
 def test_a_few_spills_outside_the_loops_pass_and_spills_in_a_loop_fail():
-    """Head-dim-256 prefill attention on 64x32 tiles parks two registers in local memory before its
-    loops and reads them back after (16 bytes): allowed, and that is what gives sm_90 prefill at
-    head dim 256 wgmma; 64x64 tiles spill inside the hot loop: a problem naming the bytes."""
+    """Head-dim-256 prefill attention on 64x32 tiles: with Triton 3.9 it parks two registers in
+    local memory before its loops and reads them back after (16 bytes; 3.6 spills nothing), which
+    the rule allows: that is what gives sm_90 prefill at head dim 256 wgmma. 64x64 tiles spill
+    more, inside the hot loop (3.9) or past the allowance (3.6, 224 bytes): a problem naming where."""
     attention = ops.get_op("paged_attention")
     args = attention.example_inputs(4096, 256, torch.bfloat16, "meta")
     records = {}
@@ -232,7 +233,8 @@ def test_a_few_spills_outside_the_loops_pass_and_spills_in_a_loop_fail():
             attention(*args)
         (records[keys],) = [r for r in log.records if r.kernel == "paged_attention"]
     few, many = records[32], records[64]
-    assert 0 < few.spill_bytes <= targets.MAX_OUT_OF_LOOP_SPILL_BYTES and few.loop_spill_bytes == 0
     assert few.problems() == [] and few.matrix == "wgmma"
-    assert many.loop_spill_bytes > 0
-    assert [f"{many.loop_spill_bytes} of them inside loops" in p for p in many.problems()] == [True]
+    assert not few.spill_bytes or (few.loop_spill_bytes == 0 and few.spill_bytes <= targets.MAX_OUT_OF_LOOP_SPILL_BYTES)
+    assert many.spill_bytes and not many.spills_outside_loops()
+    (problem,) = many.problems()
+    assert f"spills {many.spill_bytes} bytes of registers, {many.loop_spill_bytes} of them inside loops" in problem
