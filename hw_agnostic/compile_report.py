@@ -197,10 +197,9 @@ def walk(shapes: Sequence[Shape], target_names: Sequence[str], *, platform: str 
         bar.update(1)
     bar.close()
     columns = ["op", "tokens", "width", "dtype", "kernel", "target", "ok", "registers", "spill_bytes",
-               "loop_spill_bytes", "shared",
-               "shared_limit", "load_bits", "store_bits", "matrix", "vector_rule", "num_warps", "num_stages",
-               "grid", "seconds", "config", "signature", "source", "launched_by", "memory_bound", "error",
-               "problems"]
+               "loop_spill_bytes", "shared", "shared_limit", "load_bits", "store_bits", "matrix", "vector_rule",
+               "num_warps", "num_stages", "grid", "seconds", "config", "signature", "source", "launched_by",
+               "memory_bound", "error", "problems"]
     frame = pd.DataFrame(rows)
     return frame.reindex(columns=[c for c in columns if c in frame.columns] +
                          [c for c in frame.columns if c not in columns])
