@@ -102,6 +102,38 @@ def test_rms_norm_native_forms_are_bit_identical_to_the_reference(form, case, sp
         _assert_same_bits(mine, spec)
 
 
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_inplace_norms_add_large_16_bit_rows_in_compiled_code_as_eager_adds(norm, dtype):
+    """From rms_norm.COMPILED_ADD_ELEMENTS on, the in-place fused norms add the residual in a compiled
+    graph: the sum must be eager's bit for bit (NaN and infinities included), the output the spec's,
+    and below that size ATen adds (no graph)."""
+    hidden = 160  # a vector tail on every row
+    large = rms_norm.COMPILED_ADD_ELEMENTS // hidden + 3
+    ops.reset(compiled_references=True)
+    for rows in (large, 5):
+        g = torch.Generator().manual_seed(rows)
+        x = (4 * torch.randn(rows, hidden, generator=g)).to(dtype)
+        residual = (4 * torch.randn(rows, hidden, generator=g)).to(dtype)
+        weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
+        _spoil_row(x, 0, slice(None, None, 5), float("nan"))
+        _spoil_row(residual, 1, slice(1, None, 7), float("inf"))
+        _spoil_row(x, 1, slice(3, None, 7), float("-inf"))
+        if norm == "rms":
+            op, args, spec = rms_norm.fused_add_rms_norm_inplace_op, (weight, 1e-6, "llama"), rms_norm.rms_norm_reference
+        else:
+            op, args, spec = layer_norm.fused_add_layer_norm_inplace_op, (weight, None, 1e-5, "fp32"), \
+                layer_norm.layer_norm_reference
+        want_sum = residual + x
+        run = op.plan(x, residual, *args).run
+        assert isinstance(run, rms_norm.CompiledAddThenNormalise), run
+        graphs = len(run.add_into.lean)
+        op(x, residual, *args)
+        _assert_same_bits(residual, want_sum)
+        torch.testing.assert_close(x[2:], spec(want_sum, *args)[2:], rtol=1.6e-2, atol=1e-2)
+        assert run.add_into.has_compiled and len(run.add_into.lean) == graphs + (rows == large)
+
+
 def test_native_mode_runs_native_forms_at_every_size_and_compiles_nothing(monkeypatch):
     monkeypatch.setenv(registry.COMPILE_ENV, "native")
     ops.reset()
@@ -146,7 +178,7 @@ def test_norms_run_one_compiled_graph_per_specialisation_called_without_dynamo(m
 # Layer norms run F.layer_norm where the spec is nn.LayerNorm's computation, the compiled reference
 # elsewhere (cast_then_affine, per-head parameters): every case of the DSL tiers but the small-config
 # repeats (no kernel config applies here).
-# Calls of more than NATIVE_MAX_ROWS rows run the compiled reference: one case of each form there.
+# Calls of more rows than NATIVE_ROWS allows run the compiled reference: one case of each form there.
 LAYER_NORM_CASES = [*(c for c in layer_norm_tests.LN_CASES if c.config is None),
                     layer_norm_tests.ln_case((300,), 64, torch.bfloat16)]
 FUSED_LAYER_NORM_CASES = [*(c for c in layer_norm_tests.FUSED_CASES if c.config is None),

@@ -221,16 +221,34 @@ def _key(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], numerics: 
 
 # --------------------------------------------------------------------------------------------
 # the native path: where the spec is ``nn.LayerNorm``'s own computation (fp32 statistics and
-# affine, one rounding), the reference provider runs its ATen kernel, ``F.layer_norm``, on
-# decode-size calls: one ATen call, as in the module it replaces.
+# affine, one rounding), the reference provider runs its ATen kernel, ``F.layer_norm``, on the
+# calls where that was measured faster than the compiled reference (:data:`NATIVE_ROWS`): one ATen
+# call, as in the module it replaces.
 
 _HALVES = (torch.bfloat16, torch.float16)
-#: Row counts (bucketed) up to which the native path runs on 16-bit rows. Beyond them the compiled
-#: reference is faster (measured on the CPU: at 256 x 4096 bf16 1.2-1.3x HF eager against 1.0x, and
-#: the in-place form writes x in the pass that normalises instead of copying F.layer_norm's result
-#: over it). On fp32 rows ATen's kernel is the faster at every size (256 x 4096: 175 us against
-#: Inductor's 228), so the out-of-place forms stay native there.
-NATIVE_MAX_ROWS = 128
+#: While the reference is compiled, the native form runs on these bucketed row counts (inclusive
+#: ranges, None: no bound) per form and 16-bit (True) or fp32 (False) rows; the compiled reference,
+#: faster there, on the others. Measured on an Intel Xeon (2 threads), 4096 wide, median us, native
+#: against compiled (HF eager's module in brackets):
+#:
+#: - ``norm``: bf16 16 rows 19.9 / 21.5 (23.3), 32 rows 34.8 / 31.8, 128 rows 129 / 109; fp32 rows
+#:   natively at every size (16 rows 13.5 / 22.5, 128 rows 91 / 133, 256 rows 175 / 228).
+#: - ``add``: bf16 2 rows 11.3 / 11.0 (14.7), 8 rows 27.5 / 23.0, 128 rows 212 / 158; fp32 natively
+#:   (16 rows 21.1 / 28.5, 128 rows 211 / 247).
+#: - ``add_inplace``, where the native form also copies F.layer_norm's result into x: one row 7.9 /
+#:   10.6 (10.5) in bf16, 6.6 / 9.6 (9.2) in fp32; bf16 2 rows 14.8 / 13.7, 8 rows 38.8 / 28.2 (32.2);
+#:   fp32 2 rows 15.6 / 11.4 (13.9), 8 rows 39.0 / 23.9 (29.9), 16 rows 25.7 / 30.1 (25.2), 32 rows
+#:   40.6 / 45.5 (37.7), 64 rows 87 / 83 (ATen's kernel splits the rows between threads from 16).
+NATIVE_ROWS: dict[tuple[str, bool], tuple[tuple[int, Optional[int]], ...]] = {
+    ("norm", True): ((0, 16),), ("norm", False): ((0, None),),
+    ("add", True): ((0, 2),), ("add", False): ((0, None),),
+    ("add_inplace", True): ((0, 1),), ("add_inplace", False): ((0, 1), (16, 32)),
+}
+
+
+def _native_rows(form: str, key: LayerNormKey) -> bool:
+    return any(low <= key.tokens and (high is None or key.tokens <= high)
+               for low, high in NATIVE_ROWS[(form, key.dtype in _HALVES)])
 
 
 def _native_dtypes(key: LayerNormKey) -> bool:
@@ -245,8 +263,7 @@ def _native(form: str) -> object:
     to the key (the normalised shape, Nemotron's ``1 + w``), or None where the spec is not F.layer_norm's."""
 
     def native(key: LayerNormKey) -> object:
-        large = key.tokens > NATIVE_MAX_ROWS and compile_reference_enabled()
-        if (large and (key.dtype in _HALVES or form == "add_inplace") or key.numerics == "cast_then_affine"
+        if (compile_reference_enabled() and not _native_rows(form, key) or key.numerics == "cast_then_affine"
                 or not key.flat_parameters or not _native_dtypes(key)):
             return None
         shape, one_plus = (key.hidden,), key.numerics == "one_plus" and key.weight_dtype is not None
