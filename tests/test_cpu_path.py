@@ -267,6 +267,29 @@ def test_gated_rms_norm_native_form_is_bit_identical_to_the_reference(case, spoi
         assert not want.isnan().all()
 
 
+#: Grouped calls past compiled_reference.SINGLE_THREAD_ELEMENTS, which the lean graph takes with each
+#: group a row (gated_rms_norm._GroupsAsRows): both orders and numerics, no gate, fp16, a padded layout
+#: (torch.compile of the views) and leading dims.
+THREADED_GROUPED_CASES = [
+    gated_tests.gated_case((40,), 1000, torch.bfloat16, order="gate_then_norm", groups=8),
+    gated_tests.gated_case((2, 20), 1000, torch.float32, groups=4, numerics="fp32_scale"),
+    gated_tests.gated_case((40,), 1000, torch.float16, gate=None, order="gate_then_norm", groups=8),
+    gated_tests.gated_case((40,), 1000, torch.bfloat16, layout="padded", groups=8, activation="sigmoid"),
+]
+
+
+@pytest.mark.parametrize("case", THREADED_GROUPED_CASES, ids=repr)
+def test_large_grouped_gated_norms_run_with_groups_as_rows(case):
+    ops.reset(compiled_references=True)  # this test's graphs only
+    x, gate, weight, eps, order, group_size, numerics, activation = case.make()
+    plan = gated.gated_rms_norm_op.plan(x, gate, weight, eps, order, group_size, numerics, activation)
+    graphs = dict(plan.run.compiled.lean)
+    check_provider(gated.gated_rms_norm_op, "reference", _without_config(case), "cpu")
+    new = [signature for signature in plan.run.compiled.lean if signature not in graphs]
+    if case.make()[0].is_contiguous():  # the lean graph of rows one dimension deeper, none for the row itself
+        assert new and all(signature[1][0] == (x.dtype, x.dim() + 1) for signature in new), new
+
+
 @pytest.mark.parametrize("mode", ["1", "native"])
 def test_gated_rms_norm_runs_its_native_form_in_native_mode_only(mode, monkeypatch):
     """Compiled, the lean reference at every size (one fused pass beats the native form's calls at
