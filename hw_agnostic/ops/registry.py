@@ -31,8 +31,8 @@ results (the op's ``compiled_reference`` factory; see :mod:`.compiled_reference`
 to eager if compiling fails; ``HW_AGNOSTIC_COMPILE_REFERENCE=0`` runs the plain reference, ``=native``
 the native forms below without compiling anything (the plain reference elsewhere). Keys
 for which the op has a faster eager form with the spec's results (its ``native(key)``: the one
-ATen kernel of ``nn.LayerNorm`` for decode-size layer norms, HF's rotary products in fewer
-kernels) run that instead: a decode-size call then costs about what the module it replaces costs.
+ATen kernel of ``nn.LayerNorm`` where it beats the compiled pass) run that instead: such a call
+then costs about what the module it replaces costs.
 """
 
 from __future__ import annotations
