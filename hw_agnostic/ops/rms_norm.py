@@ -137,9 +137,10 @@ class CompiledAddThenNormalise:
 
 
 def _compiles_add(x: Tensor, residual: Tensor) -> bool:
-    """Large contiguous 16-bit calls (the lean graph's; strided ones would go through Dynamo's guards)."""
-    return (x.dtype in _COMPILED_ADD_DTYPES and x.numel() >= COMPILED_ADD_ELEMENTS and x.is_contiguous()
-            and residual.is_contiguous())
+    """Large contiguous 16-bit CPU calls (the lean graph's: strided ones, and other devices, would go
+    through Dynamo's guards for an add their own kernel does as well)."""
+    return (x.dtype in _COMPILED_ADD_DTYPES and x.is_cpu and x.numel() >= COMPILED_ADD_ELEMENTS
+            and x.is_contiguous() and residual.is_contiguous())
 
 
 # --------------------------------------------------------------------------------------------

@@ -90,9 +90,11 @@ class _CompiledRotary:
     path (dense row-major tensors) leaves to ``torch.compile``; a decode step's single token is dense.
 
     The spec branches on whether the whole head rotates, and the lean path keeps no guard on sizes,
-    so each branch has a compiled reference of its own."""
+    so each branch has a compiled reference of its own. Other devices run the spec eagerly: a GPU
+    compiler contracts an fp32 product and sum into one FMA, which HF's code does not."""
 
     def __init__(self, op_name: str, reference: Callable[..., tuple[Tensor, Tensor]]) -> None:
+        self.reference = reference
         self.whole_head = CompiledReference(op_name, reference, lean=True)
         self.partial = CompiledReference(op_name, reference, lean=True)
 
@@ -101,12 +103,16 @@ class _CompiledRotary:
         return self.whole_head if cos.shape[-1] == q.shape[-1] else self.partial
 
     def __call__(self, *args: Tensor) -> tuple[Tensor, Tensor]:
+        if not args[0].is_cpu:
+            return self.reference(*args)
         return _strided_like(args, self._compiled(args)(*args))
 
     def bind(self, args: tuple) -> Optional[Callable[..., tuple[Tensor, Tensor]]]:
         """See :meth:`.CompiledReference.bind` (the signature fixes the strides to give)."""
-        run = self._compiled(args).bind(args)
         q, k = args[0], args[1]
+        if not q.is_cpu:
+            return self.reference
+        run = self._compiled(args).bind(args)
         if run is None or not q.is_contiguous() or not k.is_contiguous():
             return run
         q_layout, k_layout = (None if x.stride() == _row_major(x.shape) else (x.shape, x.stride()) for x in (q, k))
