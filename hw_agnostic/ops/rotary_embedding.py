@@ -145,14 +145,15 @@ def _row_major(shape: torch.Size) -> tuple[int, ...]:
 
 
 def _native(key: RotaryKey) -> object:
-    """Where the whole head rotates and the tables have q's dtype, when the reference is not
-    compiled (the vLLM plugin's ``native`` mode): the spec's products and sum, rounded as HF rounds
-    them, in fewer kernels and allocations (the tests check it bit for bit).
+    """Where the whole head rotates and the tables have q's dtype, except on the CPU while the
+    reference is compiled (the compiled spec is faster there): the spec's products and sum, rounded
+    as HF rounds them, in fewer kernels and allocations (the tests check it bit for bit).
 
     ``rotate_half(x) * sin`` is ``[-(x2 * s1), x1 * s2]``, which is ``roll(x, R/2) * [-s1, s2]``
     exactly (negation is exact and rounding is symmetric); the signed table is computed once per
     call for q and k, and the sum is added in place into ``x * cos``."""
-    if key.rotary_dim != key.head_dim or key.table_dtype != key.dtype or compile_reference_enabled():
+    if (key.rotary_dim != key.head_dim or key.table_dtype != key.dtype
+            or key.device == "cpu" and compile_reference_enabled()):
         return None
     half = key.rotary_dim // 2
     signs: dict[torch.device, Tensor] = {}
