@@ -99,13 +99,15 @@ _COMPILED_ADD_DTYPES = (torch.bfloat16, torch.float16)
 class CompiledAddThenNormalise:
     """An in-place fused norm's reference as the reference provider runs it when compiling.
 
-    Inductor (torch 2.13) fails on a reduction over an input the same graph mutates (``KeyError:
-    'buf1'``, in its outer-loop fusion), so the residual is added in place first and only
+    Inductor (torch 2.13) fails on a reduction over an input the same graph mutates (a ``KeyError``
+    naming a buffer, in its outer-loop fusion with local buffers; also when the graph computes the
+    sum twice instead of reading it back), so the residual is added in place first and only
     ``normalise_into(x, residual, *rest)``, which reads ``residual`` and writes ``x``, is compiled
     as a graph of its own. The add is a compiled graph too for large 16-bit calls (see
     :data:`COMPILED_ADD_ELEMENTS`), else ATen's. Same result as the reference: ``residual + x``
-    rounds the same in place, either way. Both graphs split rows between threads alike, so the
-    normalising pass reads the rows its thread just wrote. (Splitting large calls into cache-sized
+    rounds the same in place, either way. Both graphs split the rows into the same halves between
+    the threads (the add's flat range falls on row boundaries for an even row count), so the
+    normalising pass mostly reads rows its thread just wrote. (Splitting large calls into cache-sized
     row blocks was measured slower on the shared 2-core machine: every block adds two OpenMP
     regions, and a region waits for a scheduler quantum whenever the other core is busy.)
     """
