@@ -243,6 +243,26 @@ def test_rotary_embedding_is_bit_identical_to_the_reference(case):
         _assert_same_bits(mine, spec)
 
 
+@pytest.mark.parametrize("rotary_dim", [64, 32], ids=["whole-head", "partial"])
+def test_rotary_on_hf_transposed_views_runs_a_lean_graph_of_the_untransposed_tensors(rotary_dim, monkeypatch):
+    """HF's q / k (``[B, T, H, D]`` transposed to ``[B, H, T, D]``) take the tokens-major lean graph:
+    no ``torch.compile``, the spec's bits and strides."""
+
+    def no_dynamo(*args):
+        raise AssertionError("HF's transposed views went through torch.compile")
+
+    monkeypatch.setattr(compiled_reference.CompiledReference, "_compiled", no_dynamo)
+    q, k, cos, sin = rotary_tests.rotary_case(2, 7, 4, 2, 64, torch.bfloat16, rotary_dim=rotary_dim).make()
+    assert not q.is_contiguous() and q.transpose(1, 2).is_contiguous()
+    run = rotary.rotary_embedding_op.plan(q, k, cos, sin).run
+    for _ in range(2):  # the first call binds, the second runs the bound form
+        got = ops.rotary_embedding(q, k, cos, sin)
+        for mine, spec in zip(got, rotary.rotary_embedding_reference(q, k, cos, sin)):
+            assert mine.stride() == spec.stride()
+            _assert_same_bits(mine, spec)
+    assert run.compiled[(True, rotary_dim == 64)].has_compiled  # tokens-major
+
+
 GATED_CASES = [c for c in gated_tests.CASES if c.config is None]
 
 

@@ -77,71 +77,101 @@ def _rotary_embedding_shapes(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> 
     return _like(q, dtype), _like(k, dtype)
 
 
+def _lean_rotary(tokens_major: bool) -> Callable[..., tuple[Tensor, Tensor]]:
+    """The spec for a lean graph: q and k row-major as ``[B, H, T, D]`` or, tokens-major, as
+    ``[B, T, H, D]`` (the projections' layout, which HF's attention transposes into ``[B, H, T, D]``
+    views); tables ``[B, T, R]`` (the lean path traces sizes of 2 and up, so a graph traced on one
+    table for every row would take the batch sizes for equal). The same products per element as the
+    spec; row-major results."""
+    table_dim = 2 if tokens_major else 1
+
+    def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        cos, sin = cos.unsqueeze(table_dim), sin.unsqueeze(table_dim)
+        return _rotated(q, cos, sin), _rotated(k, cos, sin)
+
+    return rotary
+
+
 class _CompiledRotary:
     """The spec compiled, as the reference provider runs it while compiling is on (the default).
 
     Bit-identical to HF's eager code: the lean graph rounds each 16-bit product and sum as eager
     does (``compiled_reference._round_like_eager``), and Inductor does not contract a product and
     a sum into one FMA (the tests check, NaN and infinities included). One pass instead of six
-    kernels and their intermediates; measured on an Intel Xeon (2 threads), Llama-3-8B's heads,
-    median us, native form against compiled (HF's ``apply_rotary_pos_emb`` in brackets): one token
-    23.2 / 18.2 (34.8) bf16; 16 tokens 98 / 78 (114) bf16, 68 / 60 (89) fp32; 4096 tokens 41.3 /
-    34.6 ms (58.9) bf16, 56.4 / 43.8 (87.5) fp32. HF's queries are transposed views, which the lean
-    path (dense row-major tensors) leaves to ``torch.compile``; a decode step's single token is dense.
+    kernels and their intermediates. The lean path takes row-major tensors only, so HF's queries
+    and keys (``[B, H, T, D]`` views of row-major ``[B, T, H, D]`` tensors) go to a graph of the spec
+    on the untransposed tensors, a decode step's single token (row-major either way) to one on
+    ``[B, H, T, D]``, and other layouts through ``torch.compile``. Measured on an Intel Xeon (2
+    threads), Llama-3-8B's heads, median us, HF's transposed views, native form / compiled (HF's
+    ``apply_rotary_pos_emb``): one token bf16 23.2 / 18.2 (34.8); 16 tokens bf16 98 / 45 (97), fp32
+    68 / 34 (94); 256 tokens bf16 939 / 505 (925); 4096 tokens bf16 41.3 / 32.4 ms (50.9).
 
     The spec branches on whether the whole head rotates, and the lean path keeps no guard on sizes,
-    so each branch has a compiled reference of its own. Other devices run the spec eagerly: a GPU
+    so each branch has compiled references of its own. Other devices run the spec eagerly: a GPU
     compiler contracts an fp32 product and sum into one FMA, which HF's code does not."""
 
     def __init__(self, op_name: str, reference: Callable[..., tuple[Tensor, Tensor]]) -> None:
         self.reference = reference
-        self.whole_head = CompiledReference(op_name, reference, lean=True)
-        self.partial = CompiledReference(op_name, reference, lean=True)
+        #: (tokens-major, whole head) -> the compiled spec for that layout and branch
+        self.compiled = {(tokens_major, whole): CompiledReference(op_name, _lean_rotary(tokens_major), lean=True)
+                         for tokens_major in (False, True) for whole in (False, True)}
+        #: whole head -> the spec under torch.compile, for q / k in other layouts
+        self.strided = {whole: CompiledReference(op_name, reference, lean=True) for whole in (False, True)}
 
-    def _compiled(self, args: tuple) -> CompiledReference:
-        q, cos = args[0], args[2]
-        return self.whole_head if cos.shape[-1] == q.shape[-1] else self.partial
+    def _route(self, args: tuple) -> tuple[CompiledReference, Optional[bool]]:
+        """The compiled reference for the call, and whether it runs tokens-major (None: on the spec's
+        own arguments)."""
+        q, k, cos = args[0], args[1], args[2]
+        whole = cos.shape[-1] == q.shape[-1]
+        if q.is_contiguous() and k.is_contiguous():
+            tokens_major = False
+        elif q.transpose(1, 2).is_contiguous() and k.transpose(1, 2).is_contiguous():
+            tokens_major = True
+        else:
+            return self.strided[whole], None
+        return self.compiled[(tokens_major, whole)], tokens_major
 
     def __call__(self, *args: Tensor) -> tuple[Tensor, Tensor]:
         if not args[0].is_cpu:
             return self.reference(*args)
-        return _strided_like(args, self._compiled(args)(*args))
+        compiled, tokens_major = self._route(args)
+        if tokens_major is None:
+            return compiled(*args)
+        return _laid_as(args, tokens_major, compiled(*_lean_arguments(args, tokens_major)))
 
     def bind(self, args: tuple) -> Optional[Callable[..., tuple[Tensor, Tensor]]]:
-        """See :meth:`.CompiledReference.bind` (the signature fixes the strides to give)."""
-        q, k = args[0], args[1]
-        if not q.is_cpu:
+        """See :meth:`.CompiledReference.bind` (the signature fixes the layouts)."""
+        if not args[0].is_cpu:
             return self.reference
-        run = self._compiled(args).bind(args)
-        if run is None or not q.is_contiguous() or not k.is_contiguous():
-            return run
-        q_layout, k_layout = (None if x.stride() == _row_major(x.shape) else (x.shape, x.stride()) for x in (q, k))
-        if q_layout is None and k_layout is None:
-            return run
-
-        def restrided(*args: Tensor) -> tuple[Tensor, Tensor]:
-            q_out, k_out = run(*args)
-            return (q_out if q_layout is None else q_out.as_strided(*q_layout),
-                    k_out if k_layout is None else k_out.as_strided(*k_layout))
-
-        return restrided
+        compiled, tokens_major = self._route(args)
+        if tokens_major is None:
+            return compiled.bind(args)
+        run_lean = compiled.bind(_lean_arguments(args, tokens_major))
+        if run_lean is None:
+            return None
+        return lambda *args: _laid_as(args, tokens_major, run_lean(*_lean_arguments(args, tokens_major)))
 
 
-def _strided_like(args: tuple, results: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """The results with the strides ``empty_like`` gives, as the spec lays them out. The lean graph
-    returns row-major tensors where q / k are dense and row-major but for a size-1 dimension's
-    stride (a decode step's one token of ``[B, H, T, D]``, transposed from ``[B, T, H, D]``):
-    those are the same elements, restrided."""
-    return tuple(out if out.stride() == x.stride() or not x.is_contiguous() else out.as_strided(x.shape, x.stride())
+def _lean_arguments(args: tuple, tokens_major: bool) -> tuple:
+    """The lean graph's arguments: q and k untransposed for a tokens-major graph, and one table for
+    every row copied out per row (a 1/H of q's bytes; the graph traced on ``[1, T, R]`` tables
+    generated a slower loop: 80 against 36 us at 16 tokens)."""
+    q, k, cos, sin = args
+    if tokens_major:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    if cos.shape[0] != q.shape[0]:
+        cos, sin = cos.expand(q.shape[0], -1, -1).contiguous(), sin.expand(q.shape[0], -1, -1).contiguous()
+    return q, k, cos, sin
+
+
+def _laid_as(args: tuple, tokens_major: bool, results: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """A lean graph's results with q's and k's strides, as ``empty_like`` lays them out: transposed
+    back if the graph ran tokens-major, and restrided where a size-1 dimension's stride differs (a
+    decode step's one token of ``[B, H, T, D]``, transposed from ``[B, T, H, D]``: the same elements)."""
+    if tokens_major:
+        results = (results[0].transpose(1, 2), results[1].transpose(1, 2))
+    return tuple(out if out.stride() == x.stride() else out.as_strided(x.shape, x.stride())
                  for x, out in zip(args[:2], results))  # type: ignore[return-value]
-
-
-def _row_major(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _native(key: RotaryKey) -> object:
