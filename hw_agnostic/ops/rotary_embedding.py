@@ -26,6 +26,7 @@ from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
+from torch._prims_common import make_contiguous_strides_for
 
 from ..autotune.keys import token_bucket
 from ..kernels import rotary_embedding as kernels
@@ -115,21 +116,20 @@ class _CompiledRotary:
         #: (tokens-major, whole head) -> the compiled spec for that layout and branch
         self.compiled = {(tokens_major, whole): CompiledReference(op_name, _lean_rotary(tokens_major), lean=True)
                          for tokens_major in (False, True) for whole in (False, True)}
-        #: whole head -> the spec under torch.compile, for q / k in other layouts
-        self.strided = {whole: CompiledReference(op_name, reference, lean=True) for whole in (False, True)}
+        #: the spec under torch.compile (its guards see the branch), for q / k in other layouts
+        self.strided = CompiledReference(op_name, reference)
 
     def _route(self, args: tuple) -> tuple[CompiledReference, Optional[bool]]:
         """The compiled reference for the call, and whether it runs tokens-major (None: on the spec's
         own arguments)."""
         q, k, cos = args[0], args[1], args[2]
-        whole = cos.shape[-1] == q.shape[-1]
         if q.is_contiguous() and k.is_contiguous():
             tokens_major = False
         elif q.transpose(1, 2).is_contiguous() and k.transpose(1, 2).is_contiguous():
             tokens_major = True
         else:
-            return self.strided[whole], None
-        return self.compiled[(tokens_major, whole)], tokens_major
+            return self.strided, None
+        return self.compiled[(tokens_major, cos.shape[-1] == q.shape[-1])], tokens_major
 
     def __call__(self, *args: Tensor) -> tuple[Tensor, Tensor]:
         if not args[0].is_cpu:
@@ -137,10 +137,11 @@ class _CompiledRotary:
         compiled, tokens_major = self._route(args)
         if tokens_major is None:
             return compiled(*args)
-        return _laid_as(args, tokens_major, compiled(*_lean_arguments(args, tokens_major)))
+        results = compiled(*_lean_arguments(args, tokens_major))
+        return _laid_as(results, tokens_major, _restrides(args, tokens_major))
 
     def bind(self, args: tuple) -> Optional[Callable[..., tuple[Tensor, Tensor]]]:
-        """See :meth:`.CompiledReference.bind` (the signature fixes the layouts)."""
+        """See :meth:`.CompiledReference.bind` (the signature fixes the layouts, so the restriding too)."""
         if not args[0].is_cpu:
             return self.reference
         compiled, tokens_major = self._route(args)
@@ -149,7 +150,8 @@ class _CompiledRotary:
         run_lean = compiled.bind(_lean_arguments(args, tokens_major))
         if run_lean is None:
             return None
-        return lambda *args: _laid_as(args, tokens_major, run_lean(*_lean_arguments(args, tokens_major)))
+        restrides = _restrides(args, tokens_major)
+        return lambda *args: _laid_as(run_lean(*_lean_arguments(args, tokens_major)), tokens_major, restrides)
 
 
 def _lean_arguments(args: tuple, tokens_major: bool) -> tuple:
@@ -164,14 +166,32 @@ def _lean_arguments(args: tuple, tokens_major: bool) -> tuple:
     return q, k, cos, sin
 
 
-def _laid_as(args: tuple, tokens_major: bool, results: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """A lean graph's results with q's and k's strides, as ``empty_like`` lays them out: transposed
-    back if the graph ran tokens-major, and restrided where a size-1 dimension's stride differs (a
-    decode step's one token of ``[B, H, T, D]``, transposed from ``[B, T, H, D]``: the same elements)."""
+Restride = Optional[tuple[torch.Size, tuple[int, ...]]]
+
+
+def _restrides(args: tuple, tokens_major: bool) -> tuple[Restride, Restride]:
+    """Per q and k, the ``(shape, strides)`` a lean graph's result takes to be laid out as
+    ``empty_like`` lays out the argument, or None where it comes out so. The graph's results are
+    row-major in the layout it ran, as q and k are, except where a size-1 dimension's stride differs
+    (a decode step's one token of ``[B, H, T, D]``, transposed from ``[B, T, H, D]``): the same
+    elements, restrided."""
+    restrides = []
+    for x in args[:2]:
+        strides = list(make_contiguous_strides_for(x.transpose(1, 2).shape if tokens_major else x.shape))
+        if tokens_major:
+            strides[1], strides[2] = strides[2], strides[1]
+        restrides.append(None if tuple(strides) == x.stride() else (x.shape, x.stride()))
+    return restrides[0], restrides[1]
+
+
+def _laid_as(results: tuple[Tensor, Tensor], tokens_major: bool,
+             restrides: tuple[Restride, Restride]) -> tuple[Tensor, Tensor]:
+    """A lean graph's results laid out as q and k: transposed back if it ran tokens-major, restrided
+    as :func:`_restrides` found."""
     if tokens_major:
         results = (results[0].transpose(1, 2), results[1].transpose(1, 2))
-    return tuple(out if out.stride() == x.stride() else out.as_strided(x.shape, x.stride())
-                 for x, out in zip(args[:2], results))  # type: ignore[return-value]
+    return tuple(out if restride is None else out.as_strided(*restride)  # type: ignore[return-value]
+                 for out, restride in zip(results, restrides))
 
 
 def _native(key: RotaryKey) -> object:
