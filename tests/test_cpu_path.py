@@ -383,6 +383,37 @@ def test_activations_are_bit_identical_to_the_reference(activation, case):
         _assert_same_bits(got, want)
 
 
+#: fp32 swiglu_oai: (leading dims, I, interleaved, what runs it). Interleaved rows are fused as they
+#: lie up to _GATHER_MAX_ROWS rows and from _GATHER_MIN_BYTES of input (730 x 5760 fp32), copied apart
+#: between; the chain runs an output whose element count leaves a vector tail (37, 3 x 100).
+FP32_SWIGLU_CASES = [
+    ((1,), 2880, True, "fused"), ((2,), 1024, True, "fused"), ((3,), 64, True, "apart"), ((2, 9), 2880, True, "apart"),
+    ((730,), 2880, True, "fused"), ((5,), 1024, False, "fused"), ((1,), 37, True, "chain"), ((3,), 100, False, "chain"),
+]
+
+
+@pytest.mark.parametrize("lead,inter,interleaved,path", FP32_SWIGLU_CASES, ids=repr)
+def test_fp32_swiglu_oai_is_bit_identical_on_each_path(lead, inter, interleaved, path):
+    """Each of fp32 swiglu_oai's paths (fused as the rows lie, halves copied apart first, the chain)
+    gives the reference's bits, called unbound and bound to the call's signature as dispatch binds it."""
+    op = activation_tests.OPS["swiglu_oai"]
+    args = activation_tests.act_case("swiglu_oai", lead, inter, torch.float32, interleaved=interleaved).make()
+    _spoil_row(args[0], 0, slice(None, None, 7), float("nan"))
+    _spoil_row(args[0], 0, slice(3, None, 7), float("inf"))
+    _spoil_row(args[0], 0, slice(5, None, 7), float("-inf"))
+    provided = activations._ReferenceActivation(op.name, op.reference)
+    compiled = provided._compiled(args[0], args[1:])
+    taken = "chain" if compiled is None else "apart" if provided._copies_halves_apart(args[0], args[1:]) else "fused"
+    assert taken == path
+    assert compiled in (None, provided.fused_fp32)
+    want = op.reference(*args)
+    for got in (provided(*args), provided.bind(args)(*args)):
+        _assert_same_bits(got, want)
+        assert got.stride() == want.stride()
+    if compiled is not None:  # the lean graph ran, not torch.compile or the eager reference
+        assert any(graph is not None for graph in compiled.lean.values()) and not compiled._dynamo
+
+
 @pytest.mark.parametrize("case", attention_tests.ATTENTION_CASES, ids=repr)
 def test_paged_attention(case):
     check_provider(importlib.import_module("hw_agnostic.ops.paged_attention").paged_attention_op, "reference",

@@ -51,10 +51,12 @@ _CONSTANT = _Constant()
 class CompiledReference:
     """The reference under torch.compile, or the lean path (see the module docstring); eager on failure."""
 
-    def __init__(self, op_name: str, reference: Callable[..., Any], *, lean: bool = False) -> None:
+    def __init__(self, op_name: str, reference: Callable[..., Any], *, lean: bool = False,
+                 inductor_options: dict[str, Any] | None = None) -> None:
         self.op_name = op_name
         self.reference = reference
         self.use_lean = lean
+        self.inductor_options = dict(inductor_options or {})  # Inductor settings every compile of it uses
         self.lean: dict[tuple[Any, ...], _LeanGraph | None] = {}
         self._dynamo: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self.failed = False
@@ -120,7 +122,7 @@ class CompiledReference:
 
     def _compile_lean(self, args: tuple[Any, ...], threads: int | None) -> _LeanGraph | None:
         try:
-            return _LeanGraph(self.reference, args, threads)
+            return _LeanGraph(self.reference, args, threads, self.inductor_options)
         except Exception as err:  # an Inductor that lacks these entry points, no C++ compiler, ...
             log.info("hw_agnostic: %s: the lean compile failed (%s: %s); using torch.compile", self.op_name,
                      type(err).__name__, err)
@@ -136,7 +138,8 @@ class CompiledReference:
                                              self.reference.__name__, self.reference.__defaults__,
                                              self.reference.__closure__)
                 compiled = self._dynamo[signature] = torch.compile(
-                    private, dynamic=None, fullgraph=True, options={"emulate_precision_casts": True})
+                    private, dynamic=None, fullgraph=True,
+                    options={**self.inductor_options, "emulate_precision_casts": True})
             return compiled(*args)
         except Exception as err:  # no C++ compiler, an Inductor bug, ...
             self.failed = True
@@ -161,7 +164,8 @@ def lean_compiled_reference(op_name: str, reference: Callable[..., Any]) -> Comp
 class _LeanGraph:
     """One traced and compiled specialisation of a reference, called through Inductor's ``call``."""
 
-    def __init__(self, reference: Callable[..., Any], args: tuple[Any, ...], threads: int | None) -> None:
+    def __init__(self, reference: Callable[..., Any], args: tuple[Any, ...], threads: int | None,
+                 inductor_options: dict[str, Any] | None = None) -> None:
         from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx_inner
         from torch._inductor.decomposition import select_decomp_table
@@ -192,7 +196,7 @@ class _LeanGraph:
             traced = make_fx(graph, decomposition_table=select_decomp_table(), tracing_mode="symbolic")(*examples)
         _round_like_eager(traced)
         fakes = [node.meta["val"] for node in traced.graph.find_nodes(op="placeholder")]
-        options: dict[str, Any] = {"emulate_precision_casts": True}
+        options: dict[str, Any] = {**(inductor_options or {}), "emulate_precision_casts": True}
         if threads is not None:
             options["cpp.threads"] = threads
         with inductor_config.patch(options):
