@@ -150,10 +150,13 @@ def header(meta: dict[str, Any]) -> list[str]:
         lines += [f"Same-run ceilings (512 MiB, far past the caches): copy into an existing buffer "
                   f"**{meta['copy_gbps']:.1f} GB/s**, `clone()` (a fresh output, page faults included) "
                   f"**{meta['clone_gbps']:.1f} GB/s**; bf16 matmul {meta['matmul_tflops']:.3f} TFLOP/s.", ""]
-    if meta.get("merged_into"):
-        lines += ["Some rows were re-measured by this command and merged into an earlier run "
-                  f"(`{meta['merged_into'].get('command')}`, {meta['merged_into'].get('started')}); each row's "
-                  "`measured_at` in the CSV says which run it comes from.", ""]
+    earlier, run = [], meta.get("merged_into")
+    while run:  # each merge keeps the meta of the run it merged into, which may be a merge itself
+        earlier.append(f"`{run.get('command')}`, {run.get('started')}")
+        run = run.get("merged_into")
+    if earlier:
+        lines += ["Some rows were re-measured by this command and merged into earlier runs (newest first: "
+                  f"{'; '.join(earlier)}); each row's `measured_at` in the CSV says which run it comes from.", ""]
     lines += ["Times are medians of `runs` calls (timed in batches, the candidates of a row interleaved), with "
               "min–max beside them; `first_call_s` in the CSV holds compile times. `× vs X` is X's median over "
               "ours (above 1: hw_agnostic is faster); `~` marks a ratio whose interquartile interval contains "

@@ -181,7 +181,12 @@ def test_only_and_merge_remeasure_some_rows(fake_harness, tmp_path):
     assert len(merged) == 6
     assert [r for r in merged if r["shape"] != "16x8"] == [r for r in first if r["shape"] != "16x8"]
     assert "merged_into" in json.loads((tmp_path / "meta.json").read_text())
+    assert harness.main(["--device", "cpu", "--suites", "fake", "--out", str(tmp_path), "--merge",
+                         "--only", "^silu_and_mul"]) == 0
     assert harness.main(["--report", str(tmp_path)]) == 0
+    # the report names every run the rows come from, the merge before this one and the full run under it
+    (line,) = [line for line in (tmp_path / "results.md").read_text().splitlines() if "merged into" in line]
+    assert "--only ^rms_norm 16$" in line and line.count("--suites fake") == 2
 
 
 def test_default_output_is_outside_the_tracked_tree(fake_harness, tmp_path, monkeypatch):
