@@ -4,8 +4,10 @@
 tuned configs depend on, its built-in default config and its search space.
 
 :class:`HelionFunction` compiles a Helion kernel for one explicit config and hands back Helion's
-generated host function, so the hot path is one call into generated code: Helion's own per-call
-binding (tens of microseconds) runs once per specialisation, when an op builds its plan.
+generated host function (as a :class:`.launch_binding.HostLaunch`), so the hot path is one call
+into generated code: Helion's own per-call binding (tens of microseconds) runs once per
+specialisation, when an op builds its plan, and for ops that opt in the host code itself runs once
+per call signature (see :mod:`.launch_binding`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from . import targets
 from .interpret import interpreter_mode
+from .launch_binding import HostLaunch
 
 Config = dict[str, Any]
 INT32_MAX = 2**31 - 1
@@ -116,9 +119,7 @@ class HelionFunction:
         if compiling_for_targets:
             return targets.TargetLaunch(self.name, fitted, host, memory_bound=self.memory_bound,
                                         launch_options=self.launch_options)
-        if self.launch_options:
-            return functools.partial(host, _launcher=_launcher_with(tuple(self.launch_options.items())))
-        return host
+        return HostLaunch(host, _launcher_with(tuple(self.launch_options.items())))
 
     def launched_block_sizes(self, config: Config, args: tuple[Any, ...], *, int64: bool) -> list[int] | None:
         """The block sizes Helion launches ``config`` with on arguments like ``args`` (it raises a block
@@ -133,9 +134,12 @@ class HelionFunction:
 
 @functools.lru_cache(maxsize=None)
 def _launcher_with(options: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
-    """Helion's default launcher, passing Triton these launch options too."""
+    """Helion's default launcher (what its host code launches through), passing Triton these launch
+    options too."""
     from helion.runtime import default_launcher
 
+    if not options:
+        return default_launcher
     extra = dict(options)
 
     def launch(triton_kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:

@@ -57,6 +57,8 @@ from typing import Any
 
 import torch
 
+from .launch_binding import HostLaunch
+
 log = logging.getLogger("hw_agnostic.compile")
 
 TARGETS_ENV = "HW_AGNOSTIC_COMPILE_TARGETS"
@@ -334,21 +336,19 @@ INTERPRETER_CONFLICT = (
 )
 
 
-class TargetLaunch:
+class TargetLaunch(HostLaunch):
     """What a kernel's compile step returns in this mode: a host function whose launches compile.
 
-    Calling it runs Helion's generated host code with a capturing ``_launcher``; each launch is
-    compiled for every target of the active mode (once per distinct specialisation) and recorded.
-    Nothing runs on any device.
+    Calling it runs Helion's generated host code with a capturing ``_launcher`` (or replays its
+    launches, see :mod:`.launch_binding`); each launch is compiled for every target of the active
+    mode (once per distinct specialisation) and recorded. Nothing runs on any device.
     """
 
     def __init__(self, kernel: str, config: Mapping[str, Any], host: Callable[..., Any], *, memory_bound: bool,
                  launch_options: Mapping[str, Any] | None = None) -> None:
-        self.kernel, self.config, self.host, self.memory_bound = kernel, dict(config), host, memory_bound
+        super().__init__(host, self._capture)
+        self.kernel, self.config, self.memory_bound = kernel, dict(config), memory_bound
         self.launch_options = dict(launch_options or {})  # what the real launch adds (see HelionFunction)
-
-    def __call__(self, *args: Any) -> None:
-        self.host(*args, _launcher=self._capture)
 
     def _capture(self, jit_fn: Any, grid: tuple[int, ...], *args: Any, **options: Any) -> None:
         mode = active_mode()

@@ -9,7 +9,8 @@ intermediate the HF module rounds is rounded here too; one Helion kernel impleme
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from torch import Tensor
 
 from ..autotune.keys import token_bucket
 from ..kernels import activations as kernels
+from ..kernels.launch_binding import bindable
 from ..kernels.runtime import helion_available
 from . import checks
 from .compiled_reference import CompiledReference
@@ -253,18 +255,21 @@ def _build(key: ActKey, config: dict, args: tuple) -> object:
     out = torch.empty((gate.shape[0], inter), dtype=x.dtype, device=x.device)
     launch = kernels.gated_activation_kernel.compile(config, (gate, up, out, alpha, limit, activation), int64=key.int64)
 
-    def run(x: Tensor, *options: object) -> Tensor:
-        out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
-        rows = x.view(-1, 2 * inter)
-        if rows.shape[0]:
-            gate, up = _halves(rows, inter, interleaved)
-            if activation == "swiglu_oai":
-                launch(gate, up, out.view(-1, inter), float(options[0]), float(options[1]), activation)
-            else:
-                launch(gate, up, out.view(-1, inter), 0.0, 0.0, activation)
-        return out
+    def running(launch: Any) -> Callable[..., Tensor]:
+        def run(x: Tensor, *options: object) -> Tensor:
+            out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
+            rows = x.view(-1, 2 * inter)
+            if rows.shape[0]:
+                gate, up = _halves(rows, inter, interleaved)
+                if activation == "swiglu_oai":
+                    launch(gate, up, out.view(-1, inter), float(options[0]), float(options[1]), activation)
+                else:
+                    launch(gate, up, out.view(-1, inter), 0.0, 0.0, activation)
+            return out
 
-    return run
+        return run
+
+    return bindable(running, launch)
 
 
 _HELION = Provider(

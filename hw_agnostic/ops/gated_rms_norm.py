@@ -27,7 +27,7 @@ missing gate (Mamba-2's ``gate=None``) leaves a (grouped) RMS norm.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ from torch import Tensor
 
 from ..autotune.keys import token_bucket
 from ..kernels import gated_rms_norm as kernels
+from ..kernels.launch_binding import bindable
 from ..kernels.runtime import helion_available
 from . import checks
 from .compiled_reference import SINGLE_THREAD_ELEMENTS, lean_compiled_reference
@@ -288,14 +289,17 @@ def _build(key: GatedKey, config: dict, args: tuple) -> object:
     out = torch.empty(x.shape, dtype=key.out_dtype, device=x.device)
     launch = kernels.gated_rms_norm_kernel.compile(config, launch_args(x, gate, weight, out, eps), int64=key.int64)
 
-    def run(x: Tensor, gate: Optional[Tensor], weight: Optional[Tensor], eps: float, order: str,
-            group_size: Optional[int], numerics: str, activation: str) -> Tensor:
-        out = torch.empty(x.shape, dtype=key.out_dtype, device=x.device)
-        if out.numel():
-            launch(*launch_args(x, gate, weight, out, eps))
-        return out
+    def running(launch: Any) -> Callable[..., Tensor]:
+        def run(x: Tensor, gate: Optional[Tensor], weight: Optional[Tensor], eps: float, order: str,
+                group_size: Optional[int], numerics: str, activation: str) -> Tensor:
+            out = torch.empty(x.shape, dtype=key.out_dtype, device=x.device)
+            if out.numel():
+                launch(*launch_args(x, gate, weight, out, eps))
+            return out
 
-    return run
+        return run
+
+    return bindable(running, launch)
 
 
 # --------------------------------------------------------------------------------------------

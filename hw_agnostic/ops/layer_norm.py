@@ -33,13 +33,15 @@ each other or the parameters, and the result dtype must be ``x``'s.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from ..autotune.keys import token_bucket
 from ..kernels import layer_norm as kernels
+from ..kernels.launch_binding import bindable
 from ..kernels.runtime import helion_available
 from . import checks
 from .compiled_reference import lean_compiled_reference
@@ -341,13 +343,16 @@ def _build_layer_norm(key: LayerNormKey, config: dict, args: tuple) -> object:
     out = torch.empty(x.shape, dtype=key.out_dtype, device=x.device)
     launch = kernels.layer_norm_kernel.compile(config, launch_args(x, weight, bias, out, eps), int64=key.int64)
 
-    def run(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, numerics: str) -> Tensor:
-        out = torch.empty(x.shape, dtype=key.out_dtype, device=x.device)
-        if out.numel():
-            launch(*launch_args(x, weight, bias, out, eps))
-        return out
+    def running(launch: Any) -> Callable[..., Tensor]:
+        def run(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, numerics: str) -> Tensor:
+            out = torch.empty(x.shape, dtype=key.out_dtype, device=x.device)
+            if out.numel():
+                launch(*launch_args(x, weight, bias, out, eps))
+            return out
 
-    return run
+        return run
+
+    return bindable(running, launch)
 
 
 def _build_fused(key: LayerNormKey, config: dict, args: tuple, *, inplace: bool) -> object:
@@ -378,23 +383,29 @@ def _build_fused(key: LayerNormKey, config: dict, args: tuple, *, inplace: bool)
         int64=key.int64,
     )
 
-    def run_inplace(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-                    numerics: str) -> None:
-        rows, residual_rows = x.view(-1, hidden), residual.view(-1, hidden)
-        if rows.shape[0]:
-            launch(rows, residual_rows, *params(weight, bias), rows, residual_rows, eps, numerics, *flags)
+    def running_inplace(launch: Any) -> Callable[..., None]:
+        def run(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                numerics: str) -> None:
+            rows, residual_rows = x.view(-1, hidden), residual.view(-1, hidden)
+            if rows.shape[0]:
+                launch(rows, residual_rows, *params(weight, bias), rows, residual_rows, eps, numerics, *flags)
 
-    def run(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
-            numerics: str) -> tuple[Tensor, Tensor]:
-        out = torch.empty(x.shape, dtype=key.out_dtype, device=x.device)
-        summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        rows = x.view(-1, hidden)
-        if rows.shape[0]:
-            launch(rows, residual.view(-1, hidden), *params(weight, bias), out.view(-1, hidden),
-                   summed.view(-1, hidden), eps, numerics, *flags)
-        return out, summed
+        return run
 
-    return run_inplace if inplace else run
+    def running(launch: Any) -> Callable[..., tuple[Tensor, Tensor]]:
+        def run(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                numerics: str) -> tuple[Tensor, Tensor]:
+            out = torch.empty(x.shape, dtype=key.out_dtype, device=x.device)
+            summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            rows = x.view(-1, hidden)
+            if rows.shape[0]:
+                launch(rows, residual.view(-1, hidden), *params(weight, bias), out.view(-1, hidden),
+                       summed.view(-1, hidden), eps, numerics, *flags)
+            return out, summed
+
+        return run
+
+    return bindable(running_inplace if inplace else running, launch)
 
 
 def _helion(build: object, spec: object, tuning_key: object) -> Provider:

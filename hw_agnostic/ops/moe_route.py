@@ -7,7 +7,8 @@ renormalisation and scaling factor.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -15,6 +16,7 @@ from torch import Tensor
 from ..autotune.keys import token_bucket
 from ..autotune.shapes import moe_model
 from ..kernels import moe_route as kernels
+from ..kernels.launch_binding import bindable
 from ..kernels.runtime import next_power_of_2
 from . import checks
 from .moe_common import MAX_KERNEL_EXPERTS, dtype_name, helion_provider
@@ -260,14 +262,17 @@ def _build_route(key: RouteKey, config: dict, args: tuple) -> object:
     launch = kernels.route_kernel.compile(
         config, (logits, bias if has_bias else logits[0], weights, ids, float(args[7]), *constants), int64=key.int64)
 
-    def run(logits: Tensor, bias: Optional[Tensor], top_k: int, scoring: str, renormalize: bool, n_group: int,
-            topk_group: int, routed_scaling_factor: float) -> tuple[Tensor, Tensor]:
-        weights, ids = outputs(logits)
-        if logits.shape[0]:
-            launch(logits, bias if has_bias else logits[0], weights, ids, float(routed_scaling_factor), *constants)
-        return weights, ids
+    def running(launch: Any) -> Callable[..., tuple[Tensor, Tensor]]:
+        def run(logits: Tensor, bias: Optional[Tensor], top_k: int, scoring: str, renormalize: bool, n_group: int,
+                topk_group: int, routed_scaling_factor: float) -> tuple[Tensor, Tensor]:
+            weights, ids = outputs(logits)
+            if logits.shape[0]:
+                launch(logits, bias if has_bias else logits[0], weights, ids, float(routed_scaling_factor), *constants)
+            return weights, ids
 
-    return run
+        return run
+
+    return bindable(running, launch)
 
 
 # --------------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ past ``max_q_len`` hold whatever the memory held); a larger one only costs time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -58,6 +59,7 @@ from torch import Tensor
 
 from ..autotune.keys import token_bucket
 from ..kernels import paged_attention as kernels
+from ..kernels.launch_binding import HostLaunch
 from ..kernels.runtime import helion_available
 from . import checks
 from .registry import Op, Provider
@@ -517,15 +519,37 @@ class _AttentionLaunch:
         return attention_args, merge_args
 
     def __call__(self, *args: Any) -> Tensor:
-        q = args[0]
-        if q.shape[0] == 0 or args[5].shape[0] == 0 or args[10] == 0:
+        if self._empty(args):
             # No query rows to compute (an empty grid, which Helion's eager mode mishandles).
-            return torch.zeros_like(q, memory_format=torch.contiguous_format)
+            return torch.zeros_like(args[0], memory_format=torch.contiguous_format)
+        return self._run(args, self.splits_for(args), None, None)
+
+    def bind(self, args: tuple) -> Callable[..., Tensor] | None:
+        """The run for calls of ``args``' signature (see :mod:`..kernels.launch_binding`): the split
+        count and the kernels follow from the signature (sizes and the ``max_kv_len`` hint), and
+        the kernels are bound to it. None where the kernels cannot bind (the Helion interpreter)."""
+        if self._empty(args):
+            return None
+        num_splits = self.splits_for(args)
+        attention, merge = self._launches(*self._arguments(*args, num_splits=num_splits))
+        if not all(isinstance(launch, HostLaunch) for launch in (attention, merge) if launch is not None):
+            return None
+        attention, merge = attention.bound(), None if merge is None else merge.bound()
+        return lambda *args: self._run(args, num_splits, attention, merge)
+
+    @staticmethod
+    def _empty(args: tuple) -> bool:
+        return args[0].shape[0] == 0 or args[5].shape[0] == 0 or args[10] == 0
+
+    def _run(self, args: tuple, num_splits: int, attention: Any, merge: Any) -> Tensor:
+        """One call: with the given kernels (bound), or those its arguments pick (None)."""
+        q = args[0]
+        self.num_splits = num_splits  # the last call's, for the tests
         # Not zero-filled: the kernel writes every row, those no sequence owns as zeros.
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self.num_splits = self.splits_for(args)
-        attention_args, merge_args = self._arguments(*args, out=out, num_splits=self.num_splits)
-        attention, merge = self._launches(attention_args, merge_args)
+        attention_args, merge_args = self._arguments(*args, out=out, num_splits=num_splits)
+        if attention is None:
+            attention, merge = self._launches(attention_args, merge_args)
         attention(*attention_args)
         if merge is not None:
             merge(*merge_args)

@@ -23,13 +23,14 @@ normalised output and ``residual`` holds ``x + residual``; both are returned. It
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from ..autotune.keys import token_bucket
 from ..kernels import rms_norm as kernels
+from ..kernels.launch_binding import bindable
 from ..kernels.runtime import helion_available
 from . import checks, compiled_reference
 from .compiled_reference import CompiledReference, lean_compiled_reference
@@ -304,14 +305,18 @@ def _build_rms_norm(key: NormKey, config: dict, args: tuple) -> object:
         config, (rows, weight if has_weight else rows, out, eps, numerics, has_weight), int64=key.int64
     )
 
-    def run(x: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> Tensor:
-        out = torch.empty_like(x, dtype=key.out_dtype, memory_format=torch.contiguous_format)  # the fastest allocation call
-        rows = x.view(-1, hidden)
-        if rows.shape[0]:
-            launch(rows, weight if has_weight else rows, out.view(-1, hidden), eps, numerics, has_weight)
-        return out
+    def running(launch: Any) -> Callable[..., Tensor]:
+        def run(x: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> Tensor:
+            # empty_like: the fastest allocation call
+            out = torch.empty_like(x, dtype=key.out_dtype, memory_format=torch.contiguous_format)
+            rows = x.view(-1, hidden)
+            if rows.shape[0]:
+                launch(rows, weight if has_weight else rows, out.view(-1, hidden), eps, numerics, has_weight)
+            return out
 
-    return run
+        return run
+
+    return bindable(running, launch)
 
 
 def _build_fused(key: NormKey, config: dict, args: tuple, *, inplace: bool) -> object:
@@ -334,21 +339,29 @@ def _build_fused(key: NormKey, config: dict, args: tuple, *, inplace: bool) -> o
         int64=key.int64,
     )
 
-    def run_inplace(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> None:
-        rows, residual_rows = x.view(-1, hidden), residual.view(-1, hidden)
-        if rows.shape[0]:
-            launch(rows, residual_rows, weight if has_weight else rows, rows, residual_rows, eps, numerics, has_weight)
+    def running_inplace(launch: Any) -> Callable[..., None]:
+        def run(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> None:
+            rows, residual_rows = x.view(-1, hidden), residual.view(-1, hidden)
+            if rows.shape[0]:
+                launch(rows, residual_rows, weight if has_weight else rows, rows, residual_rows, eps, numerics,
+                       has_weight)
 
-    def run(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> tuple[Tensor, Tensor]:
-        out = torch.empty_like(x, dtype=key.out_dtype, memory_format=torch.contiguous_format)
-        summed = torch.empty_like(x, memory_format=torch.contiguous_format)
-        rows = x.view(-1, hidden)
-        if rows.shape[0]:
-            launch(rows, residual.view(-1, hidden), weight if has_weight else rows,
-                   out.view(-1, hidden), summed.view(-1, hidden), eps, numerics, has_weight)
-        return out, summed
+        return run
 
-    return run_inplace if inplace else run
+    def running(launch: Any) -> Callable[..., tuple[Tensor, Tensor]]:
+        def run(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float,
+                numerics: str) -> tuple[Tensor, Tensor]:
+            out = torch.empty_like(x, dtype=key.out_dtype, memory_format=torch.contiguous_format)
+            summed = torch.empty_like(x, memory_format=torch.contiguous_format)
+            rows = x.view(-1, hidden)
+            if rows.shape[0]:
+                launch(rows, residual.view(-1, hidden), weight if has_weight else rows,
+                       out.view(-1, hidden), summed.view(-1, hidden), eps, numerics, has_weight)
+            return out, summed
+
+        return run
+
+    return bindable(running_inplace if inplace else running, launch)
 
 
 def _helion(build: object, spec: object) -> Provider:

@@ -22,7 +22,7 @@ fp16 and bf16; in fp32 a GPU compiler may contract a product and the sum into on
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -30,6 +30,7 @@ from torch._prims_common import make_contiguous_strides_for
 
 from ..autotune.keys import token_bucket
 from ..kernels import rotary_embedding as kernels
+from ..kernels.launch_binding import bindable
 from ..kernels.runtime import helion_available
 from . import checks
 from .compiled_reference import CompiledReference
@@ -306,14 +307,17 @@ def _build(key: RotaryKey, config: dict, args: tuple) -> object:
         config, (q, k, _per_row(cos, batch), _per_row(sin, batch), _like(q, q.dtype), _like(k, k.dtype), half),
         int64=key.int64)
 
-    def run(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        q_out, k_out = _like(q, q.dtype), _like(k, k.dtype)
-        if q.numel() or k.numel():
-            batch = q.shape[0]
-            launch(q, k, _per_row(cos, batch), _per_row(sin, batch), q_out, k_out, half)
-        return q_out, k_out
+    def running(launch: Any) -> Callable[..., tuple[Tensor, Tensor]]:
+        def run(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+            q_out, k_out = _like(q, q.dtype), _like(k, k.dtype)
+            if q.numel() or k.numel():
+                batch = q.shape[0]
+                launch(q, k, _per_row(cos, batch), _per_row(sin, batch), q_out, k_out, half)
+            return q_out, k_out
 
-    return run
+        return run
+
+    return bindable(running, launch)
 
 
 _HELION = Provider(

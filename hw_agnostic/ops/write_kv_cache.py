@@ -30,6 +30,7 @@ What is checked where
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -37,6 +38,7 @@ from torch import Tensor
 
 from ..autotune.keys import token_bucket
 from ..kernels import write_kv_cache as kernels
+from ..kernels.launch_binding import bindable
 from ..kernels.runtime import helion_available
 from . import checks
 from .registry import Op, Provider
@@ -242,11 +244,14 @@ def _build_write(key: WriteKey, config: dict, args: tuple) -> Any:
         config, (k, v, slot_view(k_cache), slot_view(v_cache), slot_mapping), int64=key.int64
     )
 
-    def run(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-        if key.shape[0] and k_cache.shape[0]:
-            launch(key, value, slot_view(k_cache), slot_view(v_cache), slot_mapping)
+    def running(launch: Any) -> Callable[..., None]:
+        def run(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+            if key.shape[0] and k_cache.shape[0]:
+                launch(key, value, slot_view(k_cache), slot_view(v_cache), slot_mapping)
 
-    return run
+        return run
+
+    return bindable(running, launch)
 
 
 # --------------------------------------------------------------------------------------------
