@@ -7,7 +7,8 @@ budget, all inside ``--budget`` seconds (a little over 9 minutes by default):
 1. ``install``: the carried wheels into a private target directory (helion, liger-kernel,
    filecheck, transformers), then an import check of hw_agnostic, helion and liger_kernel, and
    ``hw-agnostic doctor``;
-2. ``tests``: the GPU test tier (``tests/test_gpu.py`` and every op's DSL harness on the GPU);
+2. ``tests``: the GPU test tier (``tests/test_gpu.py``, every op's DSL harness on the GPU, the
+   launches bound to call signatures through Triton's launcher);
 3. ``compile-check``: what compile-for-target mode predicts for this GPU's target (registers,
    spills, shared memory, matrix instruction) next to what the JIT really built, per kernel;
 4. ``autotune``: the headline shapes of each op (Llama-3-8B, Qwen3-30B-A3B) within a time budget,
@@ -192,7 +193,7 @@ def tests(c: Campaign) -> None:
     # -v: a line per test as it ends, so a run cut short still says what passed and failed
     command = [sys.executable, "-m", "pytest", "-v", "--tb=short", "-rfE", "-p", "no:cacheprovider", "-n", "8",
                "-m", "gpu or dsl", f"--junitxml={report}", "tests/test_gpu.py", "tests/ops",
-               "tests/backend/test_static_cache.py"]
+               "tests/backend/test_static_cache.py", "tests/test_launch_binding.py"]
     c.run(Phase("tests", 130), command, log_name="tests.log")
 
 
