@@ -22,7 +22,8 @@ from hw_agnostic.kernels.launch_binding import BoundLaunch, HostLaunch
 #: The ops whose Helion run binds its launches to a call signature.
 BINDING = ["rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_", "layer_norm", "fused_add_layer_norm",
            "fused_add_layer_norm_", "gated_rms_norm", "silu_and_mul", "gelu_and_mul", "swiglu_oai",
-           "rotary_embedding", "write_kv_cache", "paged_attention", "moe_route"]
+           "rotary_embedding", "write_kv_cache", "paged_attention", "moe_route", "moe_align", "grouped_gemm",
+           "fused_experts"]
 
 
 @pytest.fixture

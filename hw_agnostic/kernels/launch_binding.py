@@ -22,6 +22,7 @@ tests set it) runs the host code beside every replay and compares the launches.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -35,13 +36,24 @@ _Replay = Callable[[tuple[Any, ...], Callable[..., Any]], bool]
 
 
 def bindable(running: Callable[..., Callable[..., Any]], *launches: Any) -> Callable[..., Any]:
-    """``running(*launches)``, an op's run over its kernels, with ``bind(args)``: the same run over
-    copies of the kernels bound to that call signature (where each kernel can bind: not under the
-    Helion interpreter, which has no host code)."""
+    """``running(*launches)``, an op's run over its kernels (each a :class:`HostLaunch`, or an object
+    holding some with a ``bound()`` copy, see :func:`bound_copy`), with ``bind(args)``: the same run
+    over copies bound to that call signature. Not under the Helion interpreter, which has no host code."""
     run = running(*launches)
-    if all(isinstance(launch, HostLaunch) for launch in launches):
+    if all(callable(getattr(launch, "bound", None)) for launch in launches):
         run.bind = lambda args: running(*(launch.bound() for launch in launches))  # type: ignore[attr-defined]
     return run
+
+
+def bound_copy(holder: Any, *names: str) -> Any:
+    """A shallow copy of ``holder`` whose kernels (the attributes ``names``) are bound copies, where
+    they can bind: the ``bound()`` of an object that runs several kernels, once each per call."""
+    copied = copy.copy(holder)
+    for name in names:
+        launch = getattr(holder, name)
+        if isinstance(launch, HostLaunch):
+            setattr(copied, name, launch.bound())
+    return copied
 
 
 class HostLaunch:

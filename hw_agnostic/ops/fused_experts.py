@@ -18,7 +18,8 @@ Layouts (``transposed``): ``False`` is the Hugging Face default, ``gate_up_proj 
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -26,6 +27,7 @@ from torch import Tensor
 from ..autotune.keys import token_bucket
 from ..autotune.shapes import moe_model
 from ..kernels import fused_experts as kernels
+from ..kernels.launch_binding import bindable
 from . import activations, checks
 from .grouped_gemm import Gemm, eager_reference, example_weights, project
 from .moe_align import INDEX_DTYPES, Aligner
@@ -236,23 +238,26 @@ def _build_fused(key: FusedKey, config: dict, args: tuple) -> object:
     combine = kernels.combine_topk_kernel.compile(config["combine"], (pair_example, out_example, top_k),
                                                   int64=key.int64)
 
-    def run(hidden: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weights: Tensor, topk_ids: Tensor,
-            gate_up_bias: Optional[Tensor], down_bias: Optional[Tensor], activation: str, transposed: bool,
-            interleaved: bool, swiglu_alpha: float, swiglu_limit: float) -> Tensor:
-        num_tokens = hidden.shape[0]
-        out = torch.empty((num_tokens, key.hidden), dtype=key.dtype, device=hidden.device)
-        if num_tokens == 0:
+    def running(aligner: Aligner, gate_up: Gemm, down: Gemm, combine: Any) -> Callable[..., Tensor]:
+        def run(hidden: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+                gate_up_bias: Optional[Tensor], down_bias: Optional[Tensor], activation: str, transposed: bool,
+                interleaved: bool, swiglu_alpha: float, swiglu_limit: float) -> Tensor:
+            num_tokens = hidden.shape[0]
+            out = torch.empty((num_tokens, key.hidden), dtype=key.dtype, device=hidden.device)
+            if num_tokens == 0:
+                return out
+            sorted_pairs, block_experts, _ = aligner(topk_ids)
+            projected = gate_up(hidden, w_gate_up, sorted_pairs, block_experts, gate_up_bias, None)
+            act_op, options = _activation(activation, interleaved, swiglu_alpha, swiglu_limit)
+            # A step of this call: traced after it, and forced as it is (see Op.run_inside).
+            gated = act_op.run_inside("fused_experts", projected, *options)
+            pair_out = down(gated, w_down, sorted_pairs, block_experts, down_bias, topk_weights.reshape(-1))
+            combine(pair_out.view(num_tokens, top_k, key.hidden), out, top_k)
             return out
-        sorted_pairs, block_experts, _ = aligner(topk_ids)
-        projected = gate_up(hidden, w_gate_up, sorted_pairs, block_experts, gate_up_bias, None)
-        act_op, options = _activation(activation, interleaved, swiglu_alpha, swiglu_limit)
-        # A step of this call: traced after it, and forced as it is (see Op.run_inside).
-        gated = act_op.run_inside("fused_experts", projected, *options)
-        pair_out = down(gated, w_down, sorted_pairs, block_experts, down_bias, topk_weights.reshape(-1))
-        combine(pair_out.view(num_tokens, top_k, key.hidden), out, top_k)
-        return out
 
-    return run
+        return run
+
+    return bindable(running, aligner, gate_up, down, combine)
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ outside ``[0, E)`` give zero rows. :class:`Gemm` (the kernel compiled for one ke
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple, Optional
 
 import torch
@@ -18,6 +19,7 @@ from ..autotune.keys import token_bucket
 from ..autotune.shapes import moe_model
 from ..kernels import grouped_gemm as kernels
 from ..kernels.fused_experts import default_block_m
+from ..kernels.launch_binding import bindable, bound_copy
 from . import checks
 from .moe_align import MoEAlignment, moe_align_reference
 from .moe_common import dtype_name, example_routing, helion_provider
@@ -200,6 +202,10 @@ class Gemm:
                 out, weight.shape[0], self.pairs_per_row, stride_e, stride_k, stride_n, bias_stride, self.block_m,
                 self.has_bias, self.has_scale)
 
+    def bound(self) -> Gemm:
+        """This GEMM for the calls of one signature (see :mod:`..kernels.launch_binding`)."""
+        return bound_copy(self, "launch")
+
     def __call__(self, a: Tensor, weight: Tensor, sorted_pairs: Tensor, block_experts: Tensor,
                  bias: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
         out = self._out(a, weight)
@@ -229,11 +235,14 @@ def _build_gemm(key: GemmKey, config: dict, args: tuple) -> object:
     gemm = Gemm(config, a, weight, sorted_pairs, block_experts, pairs_per_row, transposed, bias, scale, out_dtype,
                  key.int64)
 
-    def run(a: Tensor, weight: Tensor, sorted_pairs: Tensor, block_experts: Tensor, pairs_per_row: int,
-            transposed: bool, bias: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
-        return gemm(a, weight, sorted_pairs, block_experts, bias, scale)
+    def running(gemm: Gemm) -> Callable[..., Tensor]:
+        def run(a: Tensor, weight: Tensor, sorted_pairs: Tensor, block_experts: Tensor, pairs_per_row: int,
+                transposed: bool, bias: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
+            return gemm(a, weight, sorted_pairs, block_experts, bias, scale)
 
-    return run
+        return run
+
+    return bindable(running, gemm)
 
 
 # --------------------------------------------------------------------------------------------

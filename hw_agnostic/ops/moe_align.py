@@ -9,6 +9,7 @@ kernels compiled for one key) also serves :mod:`.fused_experts`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -17,6 +18,7 @@ from torch import Tensor
 from ..autotune.keys import token_bucket
 from ..autotune.shapes import moe_model
 from ..kernels import moe_align as kernels
+from ..kernels.launch_binding import bindable, bound_copy
 from ..kernels.runtime import next_power_of_2
 from . import checks
 from .moe_common import MAX_KERNEL_EXPERTS, example_routing, helion_provider
@@ -142,6 +144,10 @@ class Aligner:
         block_experts = torch.empty(slots // self.block_m, dtype=torch.int32, device=device)
         return ids, counts, offsets, sorted_pairs, block_experts
 
+    def bound(self) -> Aligner:
+        """This aligner for the calls of one signature (see :mod:`..kernels.launch_binding`)."""
+        return bound_copy(self, "count", "offsets", "scatter")
+
     def __call__(self, topk_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         ids, counts, offsets, sorted_pairs, block_experts = self.buffers(topk_ids.reshape(-1))
         if ids.numel():
@@ -171,10 +177,13 @@ def _build_align(key: AlignKey, config: dict, args: tuple) -> object:
         return lambda topk_ids, num_experts, block_m: moe_align_reference(topk_ids, num_experts, block_m)
     aligner = Aligner(config, key.experts, key.top_k, key.tokens, key.block_m, args[0], key.int64)
 
-    def run(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
-        return aligner(topk_ids)
+    def running(aligner: Aligner) -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
+        def run(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+            return aligner(topk_ids)
 
-    return run
+        return run
+
+    return bindable(running, aligner)
 
 
 # --------------------------------------------------------------------------------------------
