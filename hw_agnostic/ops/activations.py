@@ -135,7 +135,7 @@ class _ReferenceActivation:
             return self.chain
         if not self._copies_halves_apart(x, options):
             return compiled.bind(args) or self.chain
-        apart = compiled.bind((torch.empty_like(x), *options[:-1], False))
+        apart = compiled.bind((x, *options[:-1], False))  # the gates-first copy has x's metadata
         if apart is None:
             return self.chain
 

@@ -522,34 +522,36 @@ class _AttentionLaunch:
         if self._empty(args):
             # No query rows to compute (an empty grid, which Helion's eager mode mishandles).
             return torch.zeros_like(args[0], memory_format=torch.contiguous_format)
-        return self._run(args, self.splits_for(args), None, None)
+        return self._run(args, self.splits_for(args), None)
 
     def bind(self, args: tuple) -> Callable[..., Tensor] | None:
         """The run for calls of ``args``' signature (see :mod:`..kernels.launch_binding`): the split
-        count and the kernels follow from the signature (sizes and the ``max_kv_len`` hint), and
-        the kernels are bound to it. None where the kernels cannot bind (the Helion interpreter)."""
+        count and the kernels follow from the signature (sizes and the ``max_kv_len`` hint); the
+        first call picks the kernels and binds them."""
         if self._empty(args):
             return None
-        num_splits = self.splits_for(args)
-        attention, merge = self._launches(*self._arguments(*args, num_splits=num_splits))
-        if not all(isinstance(launch, HostLaunch) for launch in (attention, merge) if launch is not None):
-            return None
-        attention, merge = attention.bound(), None if merge is None else merge.bound()
-        return lambda *args: self._run(args, num_splits, attention, merge)
+        num_splits, bound = self.splits_for(args), []
+        return lambda *args: self._run(args, num_splits, bound)
 
     @staticmethod
     def _empty(args: tuple) -> bool:
         return args[0].shape[0] == 0 or args[5].shape[0] == 0 or args[10] == 0
 
-    def _run(self, args: tuple, num_splits: int, attention: Any, merge: Any) -> Tensor:
-        """One call: with the given kernels (bound), or those its arguments pick (None)."""
+    def _run(self, args: tuple, num_splits: int, bound: list | None) -> Tensor:
+        """One call; ``bound`` holds a signature's bound kernels (empty until its first call), None
+        for a call that picks them from its arguments."""
         q = args[0]
         self.num_splits = num_splits  # the last call's, for the tests
         # Not zero-filled: the kernel writes every row, those no sequence owns as zeros.
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         attention_args, merge_args = self._arguments(*args, out=out, num_splits=num_splits)
-        if attention is None:
+        if bound:
+            attention, merge = bound
+        else:
             attention, merge = self._launches(attention_args, merge_args)
+            if bound is not None:  # kernels without host code (the Helion interpreter) run as they are
+                bound[:] = [k.bound() if isinstance(k, HostLaunch) else k for k in (attention, merge)]
+                attention, merge = bound
         attention(*attention_args)
         if merge is not None:
             merge(*merge_args)
