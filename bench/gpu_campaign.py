@@ -386,12 +386,15 @@ def main(argv: list[str] | None = None) -> int:
     campaign = Campaign(args.out, work, budget, args.dry_run)
     campaign.say(f"campaign{' (dry run)' if args.dry_run else ''}: budget {budget:.0f} s, work {work}, out {args.out}")
     try:
-        for name in wanted:
-            phases[name](campaign)
+        try:
+            for name in wanted:
+                phases[name](campaign)
+        finally:
+            pack(campaign)
+        failed = [p.name for p in campaign.phases if p.status != "ok"]
+        campaign.say("done" + (f"; not ok: {', '.join(failed)}" if failed else ", every phase ok"))
     finally:
-        pack(campaign)
-    failed = [p.name for p in campaign.phases if p.status != "ok"]
-    campaign.say("done" + (f"; not ok: {', '.join(failed)}" if failed else ", every phase ok"))
+        shutil.rmtree(work, ignore_errors=True)  # pack archived it under out
     return 1 if failed else 0
 
 

@@ -14,10 +14,12 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
 import importlib.util
 import os
 import re
+import shutil
 import tempfile
 
 # The vLLM plugin's tests run in their own tier and venv (make test-vllm), where vLLM is installed;
@@ -27,7 +29,9 @@ if not os.environ.get("HW_AGNOSTIC_COMPILE_TARGETS"):
     collect_ignore.append("compile_targets")
 
 os.environ.setdefault("HW_AGNOSTIC_COMPILE_REFERENCE", "0")
+# Each test process (xdist's controller and workers alike) tunes into a cache of its own, removed as it exits.
 os.environ["HW_AGNOSTIC_CACHE_DIR"] = tempfile.mkdtemp(prefix="hw_agnostic_test_cache_")
+atexit.register(shutil.rmtree, os.environ["HW_AGNOSTIC_CACHE_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
