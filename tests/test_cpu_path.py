@@ -15,6 +15,7 @@ import torch
 from hw_agnostic import ops
 from hw_agnostic.kernels.interpret import interpreter_mode
 from hw_agnostic.ops import compiled_reference, registry
+from hw_agnostic.tolerances import assert_close
 from tests.harness import Case, check_provider
 from tests.ops import test_activations as activation_tests
 from tests.ops import test_gated_rms_norm as gated_tests
@@ -418,6 +419,98 @@ def test_fp32_swiglu_oai_is_bit_identical_on_each_path(lead, inter, interleaved,
 def test_paged_attention(case):
     check_provider(importlib.import_module("hw_agnostic.ops.paged_attention").paged_attention_op, "reference",
                    _without_config(case), "cpu")
+
+
+def _decode_batch(lengths: list[int], dtype: torch.dtype) -> tuple:
+    from hw_agnostic.ops.paged_attention import example_paged_batch
+
+    q, k_cache, v_cache, table, cu, lens = example_paged_batch(
+        [1] * len(lengths), lengths, num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=4, dtype=dtype,
+        device="cpu")
+    return q, k_cache, v_cache, table, cu, lens, 32 ** -0.5, None, None, None, 1, max(lengths)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("lengths", [[13], [9, 9, 9], [9, 5, 9]], ids=["one", "even", "uneven"])
+def test_a_decode_batch_attends_as_the_grouped_path_does(lengths, dtype, monkeypatch):
+    """Decode queries with as many keys each, one per row in order, run as one batch with no row
+    gathered or scattered: the grouped path's bits (which other batches keep running)."""
+    attention = importlib.import_module("hw_agnostic.ops.paged_attention")
+    provided = attention._ReferenceAttention(attention.paged_attention_reference)
+    args = _decode_batch(lengths, dtype)
+    grouped = provided._attend_sequences(*args[:5], [(s, s + 1, n) for s, n in enumerate(lengths)], args[6], None)
+    ran = []
+    original = attention._ReferenceAttention._attend_sequences
+    monkeypatch.setattr(attention._ReferenceAttention, "_attend_sequences",
+                        lambda self, *a: ran.append(1) or original(self, *a))
+    got = provided(*args)
+    assert ran == ([] if len(set(lengths)) == 1 else [1])
+    _assert_same_bits(got, grouped)
+    assert got.is_contiguous()
+    want = attention.paged_attention_reference(*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                                                  else a for a in args])
+    assert_close(got, want, dtype)
+
+
+def _write_case(tokens: int, *, slots: list[int] | None = None, dtype: torch.dtype = torch.float32,
+                slot_dtype: torch.dtype = torch.int64, one_buffer: bool = False) -> tuple:
+    g = torch.Generator().manual_seed(tokens)
+    key, value = (torch.randn(tokens, 2, 8, generator=g).to(dtype) for _ in range(2))
+    if tokens:
+        key[0, 0, 0], value[-1, 1, 3] = float("nan"), float("-inf")
+    if one_buffer:  # K and V as the two halves of one [blocks, 2, block_size, ...] buffer
+        buffer = torch.full((4, 2, 4, 2, 8), 7.0, dtype=dtype)
+        k_cache, v_cache = buffer[:, 0], buffer[:, 1]
+    else:
+        k_cache, v_cache = (torch.full((4, 4, 2, 8), 7.0, dtype=dtype) for _ in range(2))
+    chosen = slots if slots is not None else torch.randperm(16, generator=g)[:tokens].tolist()
+    return key, value, k_cache, v_cache, torch.tensor(chosen, dtype=slot_dtype)
+
+
+WRITES = {
+    "decode-token": (lambda: _write_case(1), "copies"),
+    "tokens": (lambda: _write_case(5, slot_dtype=torch.int32), "copies"),
+    "bf16-tokens": (lambda: _write_case(6, dtype=torch.bfloat16), "copies"),
+    "padding": (lambda: _write_case(3, slots=[4, -1, 9]), "spec"),
+    "one-buffer": (lambda: _write_case(3, one_buffer=True), "spec"),
+    "no-tokens": (lambda: _write_case(0, slots=[]), "spec"),
+}
+
+
+def _cloned(args: tuple) -> tuple:
+    key, value, k_cache, v_cache, slots = args
+    if k_cache._base is not None and k_cache._base is v_cache._base:
+        buffer = k_cache._base.clone()
+        return key, value, buffer[:, 0], buffer[:, 1], slots
+    return key, value, k_cache.clone(), v_cache.clone(), slots
+
+
+@pytest.mark.parametrize("name", WRITES)
+def test_the_cpu_write_lands_the_specs_bytes(name):
+    """Where no slot is padding and the caches lie apart, the reference provider writes with one
+    copy per cache; the caches end up with the spec's bytes, NaN and infinities included."""
+    write = importlib.import_module("hw_agnostic.ops.write_kv_cache")
+    make, path = WRITES[name]
+    got = make()
+    want = _cloned(got)
+    write.write_kv_cache_reference(*want)
+    ran = []
+    write._ReferenceWrite(lambda *a: ran.append(1) or write.write_kv_cache_reference(*a))(*got)
+    assert ran == ([] if path == "copies" else [1])
+    _assert_same_bits(got[2], want[2])
+    _assert_same_bits(got[3], want[3])
+
+
+@pytest.mark.parametrize("slots, message", [([3, 20], "past the cache's 16 slots"),
+                                            ([3, 5, 3], "writes one slot twice")], ids=["past-the-cache", "twice"])
+def test_the_cpu_write_raises_as_the_spec_does(slots, message):
+    write = importlib.import_module("hw_agnostic.ops.write_kv_cache")
+    provided = write._ReferenceWrite(write.write_kv_cache_reference)
+    args = _write_case(len(slots), slots=slots)
+    caches = [a.clone() for a in args[2:4]]
+    with pytest.raises(ValueError, match=message):
+        provided(*args)
+    assert all(torch.equal(a, b) for a, b in zip(args[2:4], caches))  # nothing written
 
 
 # --------------------------------------------------------------------------------------------

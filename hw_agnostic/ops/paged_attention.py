@@ -51,6 +51,7 @@ past ``max_q_len`` hold whatever the memory held); a larger one only costs time.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
@@ -63,7 +64,7 @@ from ..kernels.launch_binding import HostLaunch
 from ..kernels.runtime import helion_available
 from . import checks
 from .registry import Op, Provider
-from .write_kv_cache import EagerReference, caches_flatten, check_caches, check_index, slot_view
+from .write_kv_cache import caches_flatten, check_caches, check_index, slot_view
 
 MIN_KERNEL_HEAD_DIM = 16  # tensor-core dot products need K >= 16
 MAX_KERNEL_HEAD_DIM = 256
@@ -80,13 +81,14 @@ def validate_paged_attention_inputs(
 ) -> None:
     """The data checks of the reference path (they read the metadata on the host)."""
     op = "paged_attention"
-    bounds = cu_seqlens_q.tolist()
-    if any(b < 0 or b > q.shape[0] for b in bounds) or any(a > b for a, b in zip(bounds, bounds[1:])):
+    bounds, rows = cu_seqlens_q.tolist(), q.shape[0]
+    if any(b < 0 or b > rows for b in bounds) or any(a > b for a, b in zip(bounds, bounds[1:])):
         raise ValueError(
-            f"{op}: cu_seqlens_q must be non-decreasing offsets into q's {q.shape[0]} rows; got {bounds}"
+            f"{op}: cu_seqlens_q must be non-decreasing offsets into q's {rows} rows; got {bounds}"
         )
     block_size, num_blocks = k_cache.shape[1], k_cache.shape[0]
     max_blocks = block_table.shape[1]
+    used_blocks = []
     for seq, kv_len in enumerate(kv_lens.tolist()):
         if kv_len < 0:
             raise ValueError(f"{op}: kv_lens[{seq}] is {kv_len}; lengths must be >= 0")
@@ -96,14 +98,26 @@ def validate_paged_attention_inputs(
                 f"{op}: kv_lens[{seq}] = {kv_len} needs {used} blocks of {block_size} but block_table has "
                 f"{max_blocks} columns"
             )
-        row = block_table[seq, :used]
-        bad = (row < 0) | (row >= num_blocks)
-        if bool(bad.any()):
-            column = int(bad.nonzero()[0])
-            raise ValueError(
-                f"{op}: block_table[{seq}, {column}] = {int(row[column])} is not a block of the cache "
-                f"(num_blocks = {num_blocks})"
-            )
+        used_blocks.append(used)
+    if used_blocks and min(used_blocks) == max(used_blocks):  # one check of the columns every sequence reads
+        _check_blocks(op, block_table.narrow(1, 0, used_blocks[0]), 0, num_blocks)
+    else:
+        for seq, used in enumerate(used_blocks):
+            _check_blocks(op, block_table[seq:seq + 1].narrow(1, 0, used), seq, num_blocks)
+
+
+def _check_blocks(op: str, blocks: Tensor, first_seq: int, num_blocks: int) -> None:
+    """Raise naming the first entry of ``blocks`` (rows of the block table from ``first_seq`` on)
+    that is not a block of the cache."""
+    if not blocks.numel():
+        return
+    low, high = (int(v) for v in torch.aminmax(blocks))  # one op, where naming the bad entry takes four
+    if low < 0 or high >= num_blocks:
+        row, column = (int(i) for i in ((blocks < 0) | (blocks >= num_blocks)).nonzero()[0])
+        raise ValueError(
+            f"{op}: block_table[{first_seq + row}, {column}] = {int(blocks[row, column])} is not a block of the "
+            f"cache (num_blocks = {num_blocks})"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,7 +191,7 @@ class _ReferenceAttention:
 
     MAX_GATHER_BYTES = 16 << 20
 
-    def __init__(self, op_name: str, reference: Any) -> None:
+    def __init__(self, reference: Any) -> None:
         self.reference = reference
 
     def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
@@ -192,6 +206,37 @@ class _ReferenceAttention:
         spans = [(bounds[s], bounds[s + 1], n) for s, n in enumerate(lengths)]
         if any(end - start > n for start, end, n in spans):  # queries that see no key: the reference's zeros
             return self.reference(*args)
+        block_size, row_bytes = k_cache.shape[1], k_cache.shape[2] * k_cache.shape[3] * 4
+        if self._one_decode_batch(q, bounds, lengths, row_bytes):
+            # sequence s owns row s, all have the same keys: the group below, with no row gathered or scattered
+            kv_len = lengths[0]
+            blocks = block_table[:, : -(-kv_len // block_size)]
+            out = self._attend(q[:, None], k_cache, v_cache, blocks, kv_len, scale, sliding_window)[:, 0].contiguous()
+        else:
+            out = self._attend_sequences(q, k_cache, v_cache, block_table, cu_seqlens_q, spans, scale, sliding_window)
+        # NaN or infinities met in the pages: SDPA lets a key a row cannot see poison it (0 * NaN),
+        # the reference does not (non-finite inputs that change nothing, a key at -inf, leave the
+        # output finite); in the queries: CPU SDPA's causal flash path turns a NaN query into 0.
+        # Either way the reference runs. One fp32 sum of each, not isfinite().all(): 0.16 against
+        # 2.5 ms for a 512-token prefill's queries (a sum that overflows only sends the call to the
+        # reference too).
+        if not math.isfinite(float(q.sum(dtype=torch.float32)) + float(out.sum(dtype=torch.float32))):
+            return self.reference(*args)
+        return out
+
+    @classmethod
+    def _one_decode_batch(cls, q: Tensor, bounds: list[int], lengths: list[int], row_bytes: int) -> bool:
+        """Whether every sequence is one decode query of row ``s`` with as many keys as the others,
+        gathered in one chunk."""
+        count = len(lengths)
+        return (count > 0 and q.shape[0] == count and q.is_contiguous() and bounds == list(range(count + 1))
+                and all(n == lengths[0] for n in lengths)
+                and count <= max(1, cls.MAX_GATHER_BYTES // max(lengths[0] * row_bytes, 1)))
+
+    def _attend_sequences(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+                          cu_seqlens_q: Tensor, spans: list[tuple[int, int, int]], scale: float,
+                          sliding_window: Optional[int]) -> Tensor:
+        """Each prompt on its own; decode queries with the same number of keys batched, in chunks."""
         out = torch.zeros_like(q)
         block_size = k_cache.shape[1]
         decode: dict[int, list[int]] = {}
@@ -211,14 +256,6 @@ class _ReferenceAttention:
                 blocks = block_table[index, : -(-kv_len // block_size)]
                 out[rows] = self._attend(q[rows][:, None], k_cache, v_cache, blocks, kv_len, scale,
                                          sliding_window)[:, 0]
-        # NaN or infinities met in the pages: SDPA lets a key a row cannot see poison it (0 * NaN),
-        # the reference does not (non-finite inputs that change nothing, a key at -inf, leave the
-        # output finite); in the queries: CPU SDPA's causal flash path turns a NaN query into 0.
-        # Either way the reference runs. One fp32 sum of each, not isfinite().all(): 0.16 against
-        # 2.5 ms for a 512-token prefill's queries (a sum that overflows only sends the call to the
-        # reference too).
-        if not bool(torch.isfinite(q.sum(dtype=torch.float32) + out.sum(dtype=torch.float32))):
-            return self.reference(*args)
         return out
 
     @staticmethod
@@ -253,6 +290,10 @@ class _ReferenceAttention:
             queries.to(compute).transpose(1, 2), pages(k_cache), pages(v_cache), attn_mask=mask, is_causal=causal,
             scale=scale, enable_gqa=True)
         return attended.transpose(1, 2).to(queries.dtype)
+
+
+#: the op's native form: what the reference provider runs when compiling is on or in native mode
+_EAGER_ATTENTION = _ReferenceAttention(paged_attention_reference)
 
 
 def _attend(probs: Tensor, values: Tensor, visible: Tensor) -> Tensor:
@@ -633,7 +674,7 @@ paged_attention_op = Op(
         "helion", _build_attention, interpreters=frozenset({"triton", "helion"}), accepts=_attention_accepts,
         kernel=kernels.PAGED_ATTENTION, tuning_key=_attention_tuning_key, available=helion_available,
     )],
-    example_inputs=_example_attention, compiled_reference=_ReferenceAttention, fake=_paged_attention_shape,
+    example_inputs=_example_attention, native=lambda key: _EAGER_ATTENTION, fake=_paged_attention_shape,
 )
 
 

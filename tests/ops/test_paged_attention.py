@@ -454,6 +454,9 @@ BAD_INPUTS = [
     # data checks of the reference path
     ("block_table[0, 1] = 99 is not a block of the cache", _batch(block_table=_poke(_table, (0, 1), 99))),
     ("block_table[1, 0] = -1 is not a block of the cache", _batch(block_table=_poke(_table, (1, 0), -1))),
+    # every sequence reads as many blocks (checked as one): still the first bad entry, row by row
+    ("block_table[1, 1] = 99 is not a block of the cache",
+     _batch(block_table=_poke(_poke(_table, (1, 1), 99), (1, 0), 0), kv_lens=torch.tensor([6, 6], dtype=torch.int32))),
     ("kv_lens[0] = 13 needs 4 blocks of 4 but block_table has 3 columns",
      _batch(kv_lens=torch.tensor([13, 6], dtype=torch.int32))),
     ("kv_lens[1] is -1", _batch(kv_lens=torch.tensor([10, -1], dtype=torch.int32))),
@@ -466,6 +469,13 @@ BAD_INPUTS = [
 def test_bad_inputs_name_the_argument(message, call):
     with pytest.raises((TypeError, ValueError), match=re.escape(message)):
         call()
+
+
+@pytest.mark.parametrize("lengths", [[10, 6], [6, 6]], ids=["uneven", "even"])
+def test_block_table_columns_no_sequence_reads_may_hold_anything(lengths):
+    """The reference's data check reads only the blocks each sequence's keys lie in."""
+    stale = _poke(_poke(_table, (0, 2) if lengths == [6, 6] else (1, 2), -7), (1, 2), 1 << 20)
+    _batch(block_table=stale, kv_lens=torch.tensor(lengths, dtype=torch.int32))()
 
 
 # --------------------------------------------------------------------------------------------
