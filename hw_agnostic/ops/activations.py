@@ -257,7 +257,7 @@ def _build(key: ActKey, config: dict, args: tuple) -> object:
 
     def running(launch: Any) -> Callable[..., Tensor]:
         def run(x: Tensor, *options: object) -> Tensor:
-            out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
+            out = x.new_empty((*x.shape[:-1], inter))
             rows = x.view(-1, 2 * inter)
             if rows.shape[0]:
                 gate, up = _halves(rows, inter, interleaved)

@@ -477,6 +477,7 @@ class _AttentionLaunch:
         self.programs = kernels.target_programs(q.device)
         self.placeholder = torch.zeros(1, dtype=torch.float32, device=q.device)  # stands in for absent partials
         self.placeholder_index = torch.zeros(1, dtype=torch.int32, device=q.device)  # for an absent block map
+        self.placeholder_rows = self.placeholder.view(1, 1)
         # The configured rows until the kernel is bound (its launches do not depend on them), then Helion's.
         self.block_rows = int(self.helion_config["block_sizes"][0])
         # No sinks: -inf logits, which join no softmax.
@@ -522,15 +523,15 @@ class _AttentionLaunch:
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
         kv_lens: Tensor, scale: float, sliding_window: Optional[int], softcap: Optional[float],
         sinks: Optional[Tensor], max_q_len: Optional[int], max_kv_len: Optional[int], out: Tensor | None = None,
-        *, num_splits: int,
+        *, num_splits: int, grid: kernels.QueryGrid | None = None,
     ) -> tuple[tuple, tuple | None]:
-        """The attention kernel's arguments, and the merge's (None without splits)."""
+        """The attention kernel's arguments, and the merge's (None without splits); ``grid``, where
+        given, is :meth:`_grid`'s for these arguments."""
         tokens, heads, head_dim = q.shape
         num_seqs = kv_lens.shape[0]
         max_q_len = max_q_len if max_q_len is not None else tokens
         packed = max_q_len * self.group  # the longest sequence's packed rows: the partials' and the merge's
-        grid = kernels.query_grid(num_seqs=num_seqs, tokens=tokens, max_q_len=max_q_len, group=self.group,
-                                  block_rows=self.block_rows)
+        grid = grid if grid is not None else self._grid(q, kv_lens, max_q_len)
         block_seq = (kernels.block_sequences(cu_seqlens_q, self.group, self.block_rows, grid.blocks)
                      if grid.packed else self.placeholder_index)
         if out is None:
@@ -546,7 +547,7 @@ class _AttentionLaunch:
             # the attention kernel writes them as flat rows (see the kernel)
             partial_out, partial_lse = partial_out.view(-1, head_dim), partial_lse.view(-1)
         else:
-            partial_out, partial_lse = self.placeholder.view(1, 1), self.placeholder
+            partial_out, partial_lse = self.placeholder_rows, self.placeholder
         table, table_stride = _flat_table(block_table)
         attention_args = (
             q.reshape(tokens * heads, head_dim), slot_view(k_cache), slot_view(v_cache), table, cu_seqlens_q,
@@ -558,6 +559,12 @@ class _AttentionLaunch:
             grid.packed,
         )
         return attention_args, merge_args
+
+    def _grid(self, q: Tensor, kv_lens: Tensor, max_q_len: Optional[int]) -> kernels.QueryGrid:
+        tokens = q.shape[0]
+        return kernels.query_grid(num_seqs=kv_lens.shape[0], tokens=tokens,
+                                  max_q_len=max_q_len if max_q_len is not None else tokens, group=self.group,
+                                  block_rows=self.block_rows)
 
     def __call__(self, *args: Any) -> Tensor:
         if self._empty(args):
@@ -571,21 +578,21 @@ class _AttentionLaunch:
         first call picks the kernels and binds them."""
         if self._empty(args):
             return None
-        num_splits, bound = self.splits_for(args), []
-        return lambda *args: self._run(args, num_splits, bound)
+        num_splits, bound, grid = self.splits_for(args), [], self._grid(args[0], args[5], args[10])
+        return lambda *args: self._run(args, num_splits, bound, grid)
 
     @staticmethod
     def _empty(args: tuple) -> bool:
         return args[0].shape[0] == 0 or args[5].shape[0] == 0 or args[10] == 0
 
-    def _run(self, args: tuple, num_splits: int, bound: list | None) -> Tensor:
+    def _run(self, args: tuple, num_splits: int, bound: list | None, grid: kernels.QueryGrid | None = None) -> Tensor:
         """One call; ``bound`` holds a signature's bound kernels (empty until its first call), None
-        for a call that picks them from its arguments."""
+        for a call that picks them from its arguments; ``grid``: the signature's query grid."""
         q = args[0]
         self.num_splits = num_splits  # the last call's, for the tests
         # Not zero-filled: the kernel writes every row, those no sequence owns as zeros.
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        attention_args, merge_args = self._arguments(*args, out=out, num_splits=num_splits)
+        out = q.new_empty(q.shape)
+        attention_args, merge_args = self._arguments(*args, out=out, num_splits=num_splits, grid=grid)
         if bound:
             attention, merge = bound
         else:
@@ -605,6 +612,8 @@ def _flat_table(block_table: Tensor) -> tuple[Tensor, int]:
     rows, columns = block_table.shape
     if not rows or not columns:  # nothing to read; the kernel clamps into a one-entry table
         return block_table.new_zeros(1), 0
+    if block_table.is_contiguous():  # the usual table: the same flat view, for less host work
+        return block_table.view(-1), columns
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()
     stride = block_table.stride(0) if rows > 1 else columns
