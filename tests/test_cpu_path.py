@@ -452,6 +452,46 @@ def test_a_decode_batch_attends_as_the_grouped_path_does(lengths, dtype, monkeyp
     assert_close(got, want, dtype)
 
 
+def _regular_batch(q_lens: list[int], kv_lens: list[int], stride: int, dtype: torch.dtype) -> tuple:
+    """A batch whose sequence ``s`` reads blocks ``1 + s * stride + arange(n)`` (a paged cache's layout)."""
+    g = torch.Generator().manual_seed(len(q_lens))
+    heads, kv_heads, dim, block_size = 8, 2, 32, 4
+    width = -(-max(kv_lens) // block_size)
+    k_cache, v_cache = (torch.randn(1 + len(kv_lens) * max(stride, width), block_size, kv_heads, dim,
+                                    generator=g).to(dtype) for _ in range(2))
+    table = (1 + torch.arange(len(kv_lens))[:, None] * stride + torch.arange(width)).int()
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), heads, dim, generator=g).to(dtype)
+    return (q, k_cache, v_cache, table, cu, torch.tensor(kv_lens, dtype=torch.int32), dim ** -0.5, None, None, None,
+            max(q_lens), max(kv_lens))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("q_lens, kv_lens, stride", [([1], [13], 0), ([1, 1, 1], [9, 9, 9], 5),
+                                                     ([1, 1], [9, 14], 4), ([6, 1], [6, 11], 3), ([5], [5], 0)],
+                         ids=["decode", "decode-batch", "uneven", "prompt-and-decode", "prompt"])
+def test_pages_in_a_regular_layout_are_read_in_place(q_lens, kv_lens, stride, dtype, monkeypatch):
+    """Blocks laid out as a paged cache lays them (each sequence's in order) are read through a view
+    of the cache, no gathered copy: the gathered copy's bits."""
+    attention = importlib.import_module("hw_agnostic.ops.paged_attention")
+    args = _regular_batch(q_lens, kv_lens, stride, dtype)
+    assert attention._regular_blocks(args[3][:, :1]) is not None
+    got = attention._EAGER_ATTENTION(*args)
+    monkeypatch.setattr(attention, "_regular_blocks", lambda blocks: None)
+    _assert_same_bits(got, attention._EAGER_ATTENTION(*args))
+    want = attention.paged_attention_reference(*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                                                  else a for a in args])
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("table, regular", [([[3, 4, 5]], (3, 0)), ([[3, 5, 6]], None), ([[0, 1], [4, 5]], (0, 4)),
+                                            ([[4, 5], [0, 1]], None), ([[2, 3], [2, 3]], (2, 0)), ([[7]], (7, 0))],
+                         ids=["one-row", "gap", "rows", "backwards", "shared", "one-block"])
+def test_regular_block_layouts(table, regular):
+    attention = importlib.import_module("hw_agnostic.ops.paged_attention")
+    assert attention._regular_blocks(torch.tensor(table, dtype=torch.int32)) == regular
+
+
 def _write_case(tokens: int, *, slots: list[int] | None = None, dtype: torch.dtype = torch.float32,
                 slot_dtype: torch.dtype = torch.int64, one_buffer: bool = False) -> tuple:
     g = torch.Generator().manual_seed(tokens)

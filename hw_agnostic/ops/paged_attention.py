@@ -281,9 +281,13 @@ class _ReferenceAttention:
                 if sliding_window is not None:
                     mask &= index > positions - sliding_window
 
-        def pages(cache: Tensor) -> Tensor:  # [b, Hkv, keys, D]; index_select copies whole blocks
-            gathered = cache.index_select(0, blocks.reshape(-1)).view(*blocks.shape, *cache.shape[1:])
-            heads_first = gathered.flatten(1, 2)[:, first:kv_len].to(compute).transpose(1, 2)
+        regular = _regular_blocks(blocks)
+
+        def pages(cache: Tensor) -> Tensor:  # [b, Hkv, keys, D]
+            tokens = _page_view(cache, blocks.shape, regular)
+            if tokens is None:  # index_select copies whole blocks
+                tokens = cache.index_select(0, blocks.reshape(-1)).view(*blocks.shape, *cache.shape[1:]).flatten(1, 2)
+            heads_first = tokens[:, first:kv_len].to(compute).transpose(1, 2)
             # A whole prompt's causal flash kernel runs faster on contiguous heads (512 tokens at
             # Llama-3-8B's: 15.1 against 17.3 ms, the copy included); decode and masked chunks
             # read the strided view faster (8 x 2048 decode: 17 against 44 ms with the copy).
@@ -296,6 +300,40 @@ class _ReferenceAttention:
 
 #: the op's native form: what the reference provider runs when compiling is on or in native mode
 _EAGER_ATTENTION = _ReferenceAttention(paged_attention_reference)
+
+
+def _regular_blocks(blocks: Tensor) -> Optional[tuple[int, int]]:
+    """``(first, stride)`` where row ``s`` of ``blocks`` ``[b, n]`` is ``first + s * stride + arange(n)``
+    (each sequence's blocks in order, as a paged ``DynamicCache`` lays them out), else None."""
+    rows, columns = blocks.shape
+    if not rows or not columns:
+        return None
+    first = int(blocks[0, 0])
+    stride = int(blocks[1, 0]) - first if rows > 1 else 0
+    if stride < 0:
+        return None
+    if rows == 1 and columns == 1:
+        return first, stride
+    expected = torch.arange(first, first + columns, dtype=blocks.dtype, device=blocks.device)
+    if rows > 1:
+        expected = expected + torch.arange(rows, dtype=blocks.dtype, device=blocks.device)[:, None] * stride
+    return (first, stride) if torch.equal(blocks, expected.expand(rows, columns)) else None
+
+
+def _page_view(cache: Tensor, shape: torch.Size, regular: Optional[tuple[int, int]]) -> Optional[Tensor]:
+    """``[b, n * block_size, Hkv, D]``: the pages of a :func:`_regular_blocks` layout read in place
+    (no gathered copy: 4 MB a cache for one 2048-token bf16 sequence at Llama-3-8B's heads); None
+    where the blocks are not regular or a cache's blocks do not follow one another in memory."""
+    if regular is None:
+        return None
+    blocks, block_size, heads, dim = cache.shape
+    step, token, head, element = cache.stride()
+    if step != block_size * token and blocks > 1:
+        return None
+    first, stride = regular
+    rows, columns = shape
+    return cache.as_strided((rows, columns * block_size, heads, dim), (stride * step, token, head, element),
+                            cache.storage_offset() + first * step)
 
 
 def _attend(probs: Tensor, values: Tensor, visible: Tensor) -> Tensor:
