@@ -264,7 +264,6 @@ class _ReferenceAttention:
     def _attend(queries: Tensor, k_cache: Tensor, v_cache: Tensor, blocks: Tensor, kv_len: int, scale: float,
                 sliding_window: Optional[int]) -> Tensor:
         """``[b, q_len, Hq, D]`` attention of right-aligned ``queries`` over ``blocks`` ``[b, n]``."""
-        compute = queries.dtype
         q_len = queries.shape[1]
         first = 0
         if q_len == 1 and sliding_window is not None:  # one query sees the window's last keys: no mask needed
@@ -287,15 +286,15 @@ class _ReferenceAttention:
             tokens = _page_view(cache, blocks.shape, regular)
             if tokens is None:  # index_select copies whole blocks
                 tokens = cache.index_select(0, blocks.reshape(-1)).view(*blocks.shape, *cache.shape[1:]).flatten(1, 2)
-            heads_first = tokens[:, first:kv_len].to(compute).transpose(1, 2)
+            heads_first = tokens[:, first:kv_len].transpose(1, 2)
             # A whole prompt's causal flash kernel runs faster on contiguous heads (512 tokens at
             # Llama-3-8B's: 15.1 against 17.3 ms, the copy included); decode and masked chunks
             # read the strided view faster (8 x 2048 decode: 17 against 44 ms with the copy).
             return heads_first.contiguous() if causal else heads_first
         attended = torch.nn.functional.scaled_dot_product_attention(
-            queries.to(compute).transpose(1, 2), pages(k_cache), pages(v_cache), attn_mask=mask, is_causal=causal,
+            queries.transpose(1, 2), pages(k_cache), pages(v_cache), attn_mask=mask, is_causal=causal,
             scale=scale, enable_gqa=True)
-        return attended.transpose(1, 2).to(queries.dtype)
+        return attended.transpose(1, 2)
 
 
 #: the op's native form: what the reference provider runs when compiling is on or in native mode

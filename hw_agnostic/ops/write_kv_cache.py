@@ -122,8 +122,8 @@ class _ReferenceWrite:
     the spec's checks as one ``aminmax`` (and, for more than one token, a sort for a slot written
     twice) and its writes as one ``index_copy_`` into each cache's slots; the spec itself
     otherwise, or where its checks would raise (it names the bad slot). The same bytes land in the
-    same places: at a decode step, 8 µs against the spec's 90 (its checks and boolean-mask gathers
-    cost 15 ATen ops and three host reads)."""
+    same places: one bf16 token 1024 wide, 16 µs against the spec's 51 (its checks and boolean-mask
+    gathers cost 15 ATen ops and three host reads); 512 tokens 246 against 559."""
 
     def __init__(self, reference: Any) -> None:
         self.reference = reference
