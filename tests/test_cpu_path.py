@@ -438,7 +438,9 @@ def test_a_decode_batch_attends_as_the_grouped_path_does(lengths, dtype, monkeyp
     attention = importlib.import_module("hw_agnostic.ops.paged_attention")
     provided = attention._ReferenceAttention(attention.paged_attention_reference)
     args = _decode_batch(lengths, dtype)
-    grouped = provided._attend_sequences(*args[:5], [(s, s + 1, n) for s, n in enumerate(lengths)], args[6], None)
+    row_bytes = args[1].shape[2] * args[1].shape[3] * args[1].element_size()
+    grouped = provided._attend_sequences(*args[:5], [(s, s + 1, n) for s, n in enumerate(lengths)], args[6], None,
+                                         row_bytes)
     ran = []
     original = attention._ReferenceAttention._attend_sequences
     monkeypatch.setattr(attention._ReferenceAttention, "_attend_sequences",

@@ -80,6 +80,12 @@ def validate_paged_attention_inputs(
     q: Tensor, k_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor, kv_lens: Tensor
 ) -> None:
     """The data checks of the reference path (they read the metadata on the host)."""
+    _validated_metadata(q, k_cache, block_table, cu_seqlens_q, kv_lens)
+
+
+def _validated_metadata(q: Tensor, k_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
+                        kv_lens: Tensor) -> tuple[list[int], list[int]]:
+    """:func:`validate_paged_attention_inputs`, returning ``cu_seqlens_q`` and ``kv_lens`` as it read them."""
     op = "paged_attention"
     bounds, rows = cu_seqlens_q.tolist(), q.shape[0]
     if any(b < 0 or b > rows for b in bounds) or any(a > b for a, b in zip(bounds, bounds[1:])):
@@ -88,8 +94,8 @@ def validate_paged_attention_inputs(
         )
     block_size, num_blocks = k_cache.shape[1], k_cache.shape[0]
     max_blocks = block_table.shape[1]
-    used_blocks = []
-    for seq, kv_len in enumerate(kv_lens.tolist()):
+    used_blocks, lengths = [], kv_lens.tolist()
+    for seq, kv_len in enumerate(lengths):
         if kv_len < 0:
             raise ValueError(f"{op}: kv_lens[{seq}] is {kv_len}; lengths must be >= 0")
         used = -(-kv_len // block_size)
@@ -104,6 +110,7 @@ def validate_paged_attention_inputs(
     else:
         for seq, used in enumerate(used_blocks):
             _check_blocks(op, block_table[seq:seq + 1].narrow(1, 0, used), seq, num_blocks)
+    return bounds, lengths
 
 
 def _check_blocks(op: str, blocks: Tensor, first_seq: int, num_blocks: int) -> None:
@@ -203,8 +210,7 @@ class _ReferenceAttention:
                 max_q_len, max_kv_len)
         if softcap is not None or sinks is not None or q.dtype == torch.float64:
             return self.reference(*args)
-        validate_paged_attention_inputs(q, k_cache, block_table, cu_seqlens_q, kv_lens)
-        bounds, lengths = cu_seqlens_q.tolist(), kv_lens.tolist()
+        bounds, lengths = _validated_metadata(q, k_cache, block_table, cu_seqlens_q, kv_lens)
         spans = [(bounds[s], bounds[s + 1], n) for s, n in enumerate(lengths)]
         if any(end - start > n for start, end, n in spans):  # queries that see no key: the reference's zeros
             return self.reference(*args)
@@ -215,7 +221,8 @@ class _ReferenceAttention:
             blocks = block_table[:, : -(-kv_len // block_size)]
             out = self._attend(q[:, None], k_cache, v_cache, blocks, kv_len, scale, sliding_window)[:, 0].contiguous()
         else:
-            out = self._attend_sequences(q, k_cache, v_cache, block_table, cu_seqlens_q, spans, scale, sliding_window)
+            out = self._attend_sequences(q, k_cache, v_cache, block_table, cu_seqlens_q, spans, scale, sliding_window,
+                                         row_bytes)
         # NaN or infinities met in the pages: SDPA lets a key a row cannot see poison it (0 * NaN),
         # the reference does not (non-finite inputs that change nothing, a key at -inf, leave the
         # output finite); in the queries: CPU SDPA's causal flash path turns a NaN query into 0.
@@ -232,12 +239,16 @@ class _ReferenceAttention:
         gathered in one chunk."""
         count = len(lengths)
         return (count > 0 and q.shape[0] == count and q.is_contiguous() and bounds == list(range(count + 1))
-                and all(n == lengths[0] for n in lengths)
-                and count <= max(1, cls.MAX_GATHER_BYTES // max(lengths[0] * row_bytes, 1)))
+                and all(n == lengths[0] for n in lengths) and count <= cls._chunk(lengths[0], row_bytes))
+
+    @classmethod
+    def _chunk(cls, kv_len: int, row_bytes: int) -> int:
+        """Decode sequences of ``kv_len`` keys gathered at once (below :attr:`MAX_GATHER_BYTES`)."""
+        return max(1, cls.MAX_GATHER_BYTES // max(kv_len * row_bytes, 1))
 
     def _attend_sequences(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                           cu_seqlens_q: Tensor, spans: list[tuple[int, int, int]], scale: float,
-                          sliding_window: Optional[int]) -> Tensor:
+                          sliding_window: Optional[int], row_bytes: int) -> Tensor:
         """Each prompt on its own; decode queries with the same number of keys batched, in chunks."""
         out = torch.zeros_like(q)
         block_size = k_cache.shape[1]
@@ -249,9 +260,8 @@ class _ReferenceAttention:
                 blocks = block_table[seq: seq + 1, : -(-kv_len // block_size)]
                 out[start:end] = self._attend(q[None, start:end], k_cache, v_cache, blocks, kv_len, scale,
                                               sliding_window)[0]
-        row_bytes = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
         for kv_len, seqs in decode.items():
-            chunk = max(1, self.MAX_GATHER_BYTES // max(kv_len * row_bytes, 1))
+            chunk = self._chunk(kv_len, row_bytes)
             for first in range(0, len(seqs), chunk):
                 index = torch.tensor(seqs[first:first + chunk], device=q.device)
                 rows = cu_seqlens_q[index].long()
