@@ -105,3 +105,16 @@ def test_a_versioned_share_recomputes_after_an_input_is_refilled_in_place():
         share.once(("lengths", frozen), lambda: frozen + 1)
         assert share.computed == computed
 
+
+
+@pytest.mark.parametrize("real", [True, False], ids=["token", "padding"])
+def test_a_one_token_step_lays_out_as_the_general_layout_without_its_sort(real):
+    """A batch-1 decode step's layout is computed from its token's flag alone (inside a graph the
+    general one's sums, scans and sort are kernels of every layer); the same offsets, counts and
+    query offsets, and no order where the general one orders the one row onto itself."""
+    flag = torch.tensor([[real]])
+    general, one = paged._padded_layout(flag, 1, flag.device), paged._step_layout(flag, 1, 1, flag.device)
+    for name in ("offsets", "real", "counts", "cu_seqlens_q"):
+        got, want = getattr(one, name), getattr(general, name)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    assert general.query_order.tolist() == [0] and one.query_order is None

@@ -439,11 +439,23 @@ def _step_layout(real: Optional[Tensor], q_len: int, batch_size: int, device: to
               else torch.zeros(batch_size + 1, device=device, dtype=torch.int32))
         return StepLayout(torch.arange(q_len, device=device), None, q_len, cu, None)
     real = real.to(device=device, dtype=torch.bool)
+    return _one_token_layout(real) if batch_size * q_len == 1 else _padded_layout(real, batch_size, device)
+
+
+def _padded_layout(real: Tensor, batch_size: int, device: torch.device) -> StepLayout:
     counts = real.sum(1, dtype=torch.int32)
     cu = torch.zeros(batch_size + 1, device=device, dtype=torch.int32)
     cu[1:] = counts.cumsum(0)
     order = torch.argsort((~real).reshape(-1).to(torch.int8), stable=True)
     return StepLayout(real.cumsum(1) - 1, real, counts, cu, order)
+
+
+def _one_token_layout(real: Tensor) -> StepLayout:
+    """:func:`_padded_layout` of a ``[1, 1]`` step (batch-1 decode): its sums, scans and sort, each a
+    kernel that a graphed or traced step runs per layer, reduce to casts of the token's flag, and
+    the one query row needs no order."""
+    counts = real.view(1).to(torch.int32)
+    return StepLayout(real.long() - 1, real, counts, torch.cat([counts.new_zeros(1), counts]), None)
 
 
 def _slots(layout: StepLayout, kv_lens: Tensor, row_start: Tensor) -> Tensor:

@@ -259,3 +259,38 @@ def test_the_decode_step_replays_as_a_cuda_graph():
             want = reference(token, past_key_values=theirs).logits
             assert _relative(got, want) <= 1e-4, step
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
+def test_a_batch_1_decode_step_traces_no_sort_or_scan_and_skips_a_padded_token():
+    """At batch 1 a traced step's layout is its one token's flag (no argsort or cumsum per layer, each
+    a kernel inside a CUDA graph); a decode token the mask marks as padding is not kept, so the steps
+    after it compute what HF computes."""
+    model, reference = _pair()
+    block = model.model.layers[0].self_attn.block_size
+    ours, theirs = (StaticCache(config=m.config, max_cache_len=2 * block) for m in (model, reference))
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(graph: torch.fx.GraphModule, inputs: list) -> object:
+        graphs.append(graph)
+        return aot_eager(graph, inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=False, backend=backend)
+    ids = prompt(batch=1, length=5)
+    mask = torch.ones(1, 2 * block, dtype=torch.long)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=ours)
+        reference(ids, attention_mask=mask, past_key_values=theirs)
+        for step in range(5):
+            position = ids.shape[1] + step
+            mask[:, position] = int(step != 1)  # the second new token is padding
+            token = prompt(batch=1, length=1, seed=50 + step)
+            got = compiled(token, attention_mask=mask, past_key_values=ours).logits
+            want = reference(token, attention_mask=mask, past_key_values=theirs).logits
+            if step != 1:  # a padding token's own output is nobody's
+                assert _relative(got, want) <= 1e-5, step
+    assert len(graphs) == 1
+    called = {str(node.target) for node in graphs[0].graph.nodes if node.op in ("call_function", "call_method")}
+    assert not {name for name in called if "argsort" in name or "cumsum" in name or "sort" in name}, called
+    store = ours.layers[0].store
+    assert int(store.kv_lens[0]) == ids.shape[1] + 4  # the padding token was not kept
