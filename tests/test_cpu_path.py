@@ -8,9 +8,12 @@ bit for bit where the spec is element-wise. Speed is the bench's business (``mak
 from __future__ import annotations
 
 import importlib
+import zlib
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hw_agnostic import ops
 from hw_agnostic.kernels.interpret import interpreter_mode
@@ -492,6 +495,68 @@ def test_pages_in_a_regular_layout_are_read_in_place(q_lens, kv_lens, stride, dt
 def test_regular_block_layouts(table, regular):
     attention = importlib.import_module("hw_agnostic.ops.paged_attention")
     assert attention._regular_blocks(torch.tensor(table, dtype=torch.int32)) == regular
+
+
+def _fuzzed_batch(draw_lengths: list[tuple[int, int]], decode: bool, heads: tuple[int, int], head_dim: int,
+                  block_size: int, dtype: torch.dtype, layout: str, seed: int) -> tuple:
+    """``(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens)`` with the blocks ``layout`` says:
+    scattered at random, each sequence's in order (a paged cache's layout), or one shared run."""
+    attention = importlib.import_module("hw_agnostic.ops.paged_attention")
+    q_lens = [1 if decode else q for q, _ in draw_lengths]
+    kv_lens = [max(q, kv) for q, (_, kv) in zip(q_lens, draw_lengths)]
+    if layout == "shared":  # every sequence reads the same blocks: one length for all
+        kv_lens = [max(kv_lens)] * len(kv_lens)
+    g = torch.Generator().manual_seed(seed)
+    num_q_heads, num_kv_heads = heads
+    if layout == "scattered":
+        return attention.example_paged_batch(q_lens, kv_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                             head_dim=head_dim, block_size=block_size, dtype=dtype, device="cpu",
+                                             generator=g)
+    width = max(-(-n // block_size) for n in kv_lens) + 1  # a spare column no sequence reads
+    stride = 0 if layout == "shared" else width + 1
+    k_cache, v_cache = (torch.randn(2 + len(kv_lens) * max(stride, 1) + width, block_size, num_kv_heads, head_dim,
+                                    generator=g).to(dtype) for _ in range(2))
+    table = (1 + torch.arange(len(kv_lens))[:, None] * stride + torch.arange(width)).int()
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, table, cu, torch.tensor(kv_lens, dtype=torch.int32)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 40)), min_size=1, max_size=4),
+    decode=st.booleans(),
+    heads=st.sampled_from([(2, 2), (4, 2), (8, 2), (4, 1)]),
+    head_dim=st.sampled_from([8, 32]),
+    block_size=st.sampled_from([1, 4, 16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    window=st.sampled_from([None, 1, 5]),
+    softcap=st.sampled_from([None, 5.0]),
+    sinks=st.booleans(),
+    layout=st.sampled_from(["scattered", "regular", "shared"]),
+    unowned=st.integers(0, 2),
+    hints=st.booleans(),
+)
+def test_fuzz_the_cpu_attention_against_the_spec(lengths, decode, heads, head_dim, block_size, dtype, window,
+                                                 softcap, sinks, layout, unowned, hints):
+    """The CPU path's attention (its decode-batch, in-place-view and grouped forms, whichever a batch
+    takes) against the float64 spec on random batches, block layouts and options; rows no sequence
+    owns come out as the spec's zeros."""
+    attention = importlib.import_module("hw_agnostic.ops.paged_attention")
+    seed = zlib.crc32(repr((lengths, decode, heads, head_dim, block_size, layout)).encode())
+    q, k_cache, v_cache, table, cu, kv_lens = _fuzzed_batch(lengths, decode, heads, head_dim, block_size, dtype,
+                                                            layout, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.cat([q, torch.randn(unowned, *q.shape[1:], generator=g).to(dtype)])
+    q_lens, kv = (cu[1:] - cu[:-1]).tolist(), kv_lens.tolist()
+    args = (q, k_cache, v_cache, table, cu, kv_lens, head_dim ** -0.5, window, softcap,
+            torch.randn(heads[0], generator=g) if sinks else None, max(q_lens) if hints else None,
+            max(kv) if hints else None)
+    got = attention._EAGER_ATTENTION(*args)
+    assert got.shape == q.shape and got.dtype == dtype
+    want = attention.paged_attention_reference(*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                                                  else a for a in args])
+    assert_close(got, want, dtype)
 
 
 def _write_case(tokens: int, *, slots: list[int] | None = None, dtype: torch.dtype = torch.float32,
