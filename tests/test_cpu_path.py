@@ -8,6 +8,7 @@ bit for bit where the spec is element-wise. Speed is the bench's business (``mak
 from __future__ import annotations
 
 import importlib
+import re
 import zlib
 
 import pytest
@@ -618,6 +619,29 @@ def test_the_cpu_write_raises_as_the_spec_does(slots, message):
     with pytest.raises(ValueError, match=message):
         provided(*args)
     assert all(torch.equal(a, b) for a, b in zip(args[2:4], caches))  # nothing written
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(slots=st.lists(st.integers(-2, 17), max_size=8),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       slot_dtype=st.sampled_from([torch.int32, torch.int64]),
+       one_buffer=st.booleans())
+def test_fuzz_the_cpu_write_against_the_spec(slots, dtype, slot_dtype, one_buffer):
+    """Random slot mappings (padding, repeats, slots past the 16-slot cache), K/V in one buffer or
+    two: the CPU write lands the spec's bytes, or raises the spec's error and writes nothing."""
+    write = importlib.import_module("hw_agnostic.ops.write_kv_cache")
+    args = _write_case(len(slots), slots=slots, dtype=dtype, slot_dtype=slot_dtype, one_buffer=one_buffer)
+    want, before = _cloned(args), _cloned(args)
+    try:
+        write.write_kv_cache_reference(*want)
+    except ValueError as error:
+        with pytest.raises(ValueError, match=re.escape(str(error))):
+            write._EAGER_WRITE(*args)
+        want = before
+    else:
+        write._EAGER_WRITE(*args)
+    _assert_same_bits(args[2], want[2])
+    _assert_same_bits(args[3], want[3])
 
 
 # --------------------------------------------------------------------------------------------
