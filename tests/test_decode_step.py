@@ -118,3 +118,34 @@ def test_a_one_token_step_lays_out_as_the_general_layout_without_its_sort(real):
         got, want = getattr(one, name), getattr(general, name)
         assert got.dtype == want.dtype and torch.equal(got, want), name
     assert general.query_order.tolist() == [0] and one.query_order is None
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_a_padded_decode_token_at_batch_1_is_not_kept(static):
+    """Eager batch-1 steps whose mask marks one new token as padding (the one-token layout with its
+    flag off): the token is not stored, and the steps after it compute what HF computes."""
+    from transformers import StaticCache
+
+    model = build("llama", num_hidden_layers=2)
+    reference = copy.deepcopy(model)
+    rewire(model)
+    ids = prompt(batch=1, length=5)
+    capacity = 16
+    ours, theirs = (StaticCache(config=m.config, max_cache_len=capacity) if static else DynamicCache(config=m.config)
+                    for m in (model, reference))
+    mask = torch.ones(1, capacity if static else ids.shape[1], dtype=torch.long)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=ours)
+        reference(ids, attention_mask=mask, past_key_values=theirs)
+        for step in range(4):
+            flag = int(step != 1)  # the second new token is padding
+            if static:
+                mask[:, ids.shape[1] + step] = flag
+            else:
+                mask = torch.cat([mask, torch.tensor([[flag]])], dim=1)
+            token = prompt(batch=1, length=1, seed=60 + step)
+            got = model(token, attention_mask=mask, past_key_values=ours).logits
+            want = reference(token, attention_mask=mask, past_key_values=theirs).logits
+            if flag:  # a padding token's own output is nobody's
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert int(ours.layers[0].store.kv_lens[0]) == ids.shape[1] + 3
