@@ -57,6 +57,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as nn_module
 
 from ..layers.attention import _CACHE_NAMES, _STATE
+from ..layers.base import call
 from ..layers.qkv import QKVPart, QKVProjection
 from .attention import (
     ATTENTION_NAME, _cache_classes, attend_paged, paged_attention_forward, paged_layer_of, store_step,
@@ -283,7 +284,7 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     for name, value_of in recognised.forwarded:
         kwargs[name] = value_of(module)
     out, weights = attend_paged(module, state, batch, query, key, value, mask, module.scaling, 0.0, kwargs)
-    return module.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+    return call(module.o_proj, out.reshape(*input_shape, -1).contiguous()), weights
 
 
 def direct_path_for(cls: type) -> Optional[Callable[[nn.Module, dict[str, Any]], Any]]:

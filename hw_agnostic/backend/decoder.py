@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import LayerNorm, RMSNorm
+from ..layers.base import call
 from .detect import DecoderLayout
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ HANDED = "_hw_agnostic_handed"
 def add_and_norm(norm: nn.Module, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
     """``(norm(residual + x), residual + x)``, in one pass when ``norm`` is ours."""
     if isinstance(norm, (RMSNorm, LayerNorm)):
-        return norm(x, residual)
+        return call(norm, x, residual)
     summed = residual + x
     return norm(summed), summed
 
@@ -94,12 +95,13 @@ def install_fused_forward(layer: nn.Module, layout: DecoderLayout, signature_def
             hidden, rest = args[0], args[1:]
         children = self._modules  # the roles are direct children; read each call (verification may swap them)
         role = {name: children[child] for name, child in roles.items()}
-        h = role["attention"](hidden_states=role["input_norm"](hidden), **attention_kwargs(rest, kwargs))[0]
+        normed = call(role["input_norm"], hidden)
+        h = call(role["attention"], hidden_states=normed, **attention_kwargs(rest, kwargs))[0]
         if sandwich:
-            h, residual = add_and_norm(role["pre_mlp_norm"], role["post_attention_norm"](h), hidden)
-            return hand_off(self, role["post_mlp_norm"](role["mlp"](h)), residual)
+            h, residual = add_and_norm(role["pre_mlp_norm"], call(role["post_attention_norm"], h), hidden)
+            return hand_off(self, call(role["post_mlp_norm"], call(role["mlp"], h)), residual)
         h, residual = add_and_norm(role["post_attention_norm"], h, hidden)
-        return hand_off(self, role["mlp"](h), residual)
+        return hand_off(self, call(role["mlp"], h), residual)
 
     layer.forward = types.MethodType(forward, layer)
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .activation import act_and_mul
-from .base import PluggableLayer
+from .base import PluggableLayer, call
 from .linear import Linear
 
 
@@ -54,13 +54,13 @@ class GatedMLP(PluggableLayer):
                                    dtype=dtype, device=device)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = call(self.gate_up_proj, x)
         if self.gate_multiplier is not None or self.up_multiplier is not None:
             gate, up = gate_up.chunk(2, dim=-1)
             gate = gate if self.gate_multiplier is None else gate * self.gate_multiplier
             up = up if self.up_multiplier is None else up * self.up_multiplier
             gate_up = torch.cat([gate, up], dim=-1)
-        out = self.down_proj(self.act_fn(gate_up))
+        out = call(self.down_proj, call(self.act_fn, gate_up))
         if self.down_multiplier is not None:
             out = out * self.down_multiplier
         if self.dropout and self.training:

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .base import PluggableLayer
+from .base import PluggableLayer, call
 from .linear import Linear
 
 
@@ -38,7 +38,7 @@ class QKVProjection(PluggableLayer):
         self._pending: Optional[tuple[Tensor, tuple[Tensor, ...], int]] = None
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
-        return self.proj(x).split_with_sizes(self.sizes, dim=-1)  # Tensor.split: a Python wrapper over it
+        return call(self.proj, x).split_with_sizes(self.sizes, dim=-1)  # Tensor.split: a Python wrapper over it
 
     def part(self, x: Tensor, index: int) -> Tensor:
         """Output ``index`` for ``x``, from the merged matmul (run once per input)."""

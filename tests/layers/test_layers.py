@@ -187,3 +187,65 @@ def test_fp32_router_inputs_follow_every_change_of_the_weight():
     assert key in moe._fp32_copies
     del weight
     assert key not in moe._fp32_copies  # the copy leaves with its parameter
+
+
+def _hooked(kind: str, module: torch.nn.Module, seen: list[str]) -> object:
+    """Give ``module`` what ``kind`` names and return its handle (or an undo); ``seen`` records its use."""
+    record = lambda *a, **k: seen.append(kind)  # noqa: E731
+    if kind == "forward hook":
+        return module.register_forward_hook(record)
+    if kind == "forward pre-hook":
+        return module.register_forward_pre_hook(record)
+    if kind == "backward hook":
+        return module.register_full_backward_hook(record)
+    if kind == "global forward hook":
+        return torch.nn.modules.module.register_module_forward_hook(record)
+    if kind == "global forward pre-hook":
+        return torch.nn.modules.module.register_module_forward_pre_hook(record)
+    if kind == "compiled":
+        module._compiled_call_impl = lambda *a, **k: seen.append(kind) or module._call_impl(*a, **k)
+        return None
+    if kind == "own __call__":
+        class OwnCall(torch.nn.Linear):
+            def __call__(self, *args: object, **kwargs: object) -> object:
+                seen.append(kind)
+                return super().__call__(*args, **kwargs)
+
+        module.__class__ = OwnCall
+        return None
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", [None, "forward hook", "forward pre-hook", "backward hook", "global forward hook",
+                                  "global forward pre-hook", "compiled", "own __call__", "jit trace"])
+def test_calling_a_child_skips_module_call_only_where_it_would_only_call_forward(kind, monkeypatch):
+    """``base.call`` runs ``forward`` directly for a module with nothing on it, and through
+    ``nn.Module.__call__`` (its hooks, its compiled call) otherwise: the same result either way."""
+    from hw_agnostic.layers.base import call
+
+    through_call: list[int] = []
+    original = torch.nn.Module._call_impl
+    monkeypatch.setattr(torch.nn.Module, "_call_impl",
+                        lambda self, *a, **k: through_call.append(1) or original(self, *a, **k))
+    module = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4, requires_grad=kind == "backward hook")
+    want = torch.nn.functional.linear(x, module.weight, module.bias)
+    seen: list[str] = []
+    handle = None if kind in (None, "jit trace") else _hooked(kind, module, seen)
+    try:
+        if kind == "jit trace":
+            outer = torch.nn.Module()
+            outer.inner = module
+            outer.forward = lambda t: call(outer.inner, t)
+            torch.jit.trace(outer, (x,), check_trace=False)
+            seen.append(kind)
+        got = call(module, x)
+        if kind == "backward hook":
+            got.sum().backward()
+    finally:
+        if handle is not None:
+            handle.remove()
+    torch.testing.assert_close(got, want)
+    # traced: the outer module's call and its child's went through it; the call after the trace did not
+    assert through_call == ([] if kind is None else [1, 1] if kind == "jit trace" else [1])
+    assert seen == ([] if kind is None else [kind])
