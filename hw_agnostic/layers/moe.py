@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from ..ops.fused_experts import ACTIVATIONS, fused_experts, fused_experts_reference
 from ..ops.moe_route import moe_route, moe_route_reference
-from .base import CustomOp, PluggableLayer
+from .base import CustomOp, PluggableLayer, call
 from .mlp import GatedMLP
 
 #: How router logits are computed: ``F.linear`` in the model dtype, on fp32 copies of the inputs
@@ -245,11 +245,11 @@ class MoE(PluggableLayer):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        _, weights, ids = self.router(rows)
-        out = self.experts(rows, ids, weights)
+        _, weights, ids = call(self.router, rows)
+        out = call(self.experts, rows, ids, weights)
         if self.shared_expert is not None:
-            shared = self.shared_expert(rows)
+            shared = call(self.shared_expert, rows)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(rows)) * shared
+                shared = torch.sigmoid(call(self.shared_expert_gate, rows)) * shared
             out = out + shared
         return out.view(x.shape)
