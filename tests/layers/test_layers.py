@@ -216,8 +216,20 @@ def _hooked(kind: str, module: torch.nn.Module, seen: list[str]) -> object:
     raise AssertionError(kind)
 
 
+class _Outer(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from hw_agnostic.layers.base import call
+
+        return call(self.inner, x)
+
+
 @pytest.mark.parametrize("kind", [None, "forward hook", "forward pre-hook", "backward hook", "global forward hook",
-                                  "global forward pre-hook", "compiled", "own __call__", "jit trace"])
+                                  "global forward pre-hook", "compiled", "own __call__", "jit trace",
+                                  "fx trace"])
 def test_calling_a_child_skips_module_call_only_where_it_would_only_call_forward(kind, monkeypatch):
     """``base.call`` runs ``forward`` directly for a module with nothing on it, and through
     ``nn.Module.__call__`` (its hooks, its compiled call) otherwise: the same result either way."""
@@ -231,14 +243,16 @@ def test_calling_a_child_skips_module_call_only_where_it_would_only_call_forward
     x = torch.randn(2, 4, requires_grad=kind == "backward hook")
     want = torch.nn.functional.linear(x, module.weight, module.bias)
     seen: list[str] = []
-    handle = None if kind in (None, "jit trace") else _hooked(kind, module, seen)
+    handle = None if kind in (None, "jit trace", "fx trace") else _hooked(kind, module, seen)
     try:
         if kind == "jit trace":
-            outer = torch.nn.Module()
-            outer.inner = module
-            outer.forward = lambda t: call(outer.inner, t)
-            torch.jit.trace(outer, (x,), check_trace=False)
+            torch.jit.trace(_Outer(module), (x,), check_trace=False)
             seen.append(kind)
+        if kind == "fx trace":  # the child stays a call_module node of the traced graph
+            graph = torch.fx.symbolic_trace(_Outer(module)).graph
+            assert [node.target for node in graph.nodes if node.op == "call_module"] == ["inner"]
+            seen.append(kind)
+            through_call.append(1)  # the tracer's own wrapper of Module.__call__ took the call, not _call_impl
         got = call(module, x)
         if kind == "backward hook":
             got.sum().backward()
