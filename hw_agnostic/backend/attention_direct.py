@@ -57,7 +57,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as nn_module
 
 from ..layers.attention import _CACHE_NAMES, _STATE
-from ..layers.base import call
+from ..layers.module_call import call
 from ..layers.qkv import QKVPart, QKVProjection
 from .attention import (
     ATTENTION_NAME, _cache_classes, attend_paged, paged_attention_forward, paged_layer_of, store_step,

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import LayerNorm, RMSNorm
-from ..layers.base import call
+from ..layers.module_call import call
 from .detect import DecoderLayout
 
 log = logging.getLogger(__name__)

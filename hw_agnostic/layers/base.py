@@ -22,31 +22,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
-import torch
 from torch import nn
-from torch.fx._symbolic_trace import is_fx_symbolic_tracing
-from torch.nn.modules import module as _nn_module
 
 L = TypeVar("L", bound=type)
 
 _layers: dict[str, type[nn.Module]] = {}
 _replacements: dict[str, type[nn.Module]] = {}
-
-
-def call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``module(*args, **kwargs)``, without ``nn.Module.__call__``'s two frames where they would only
-    call ``forward``: no hook of the module's or global ones, no ``module.compile()``, no ``__call__``
-    of its class's own, no ``torch.jit`` tracing (what ``_call_impl`` checks before calling forward
-    directly), no ``torch.fx`` symbolic tracing (which records a child's call as a node). The
-    library's layers call their children through it: about 1 µs a call, 8-10 of a decode layer's
-    222-225 µs (2 and 6 layers, interleaved in one process)."""
-    if (module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks
-            or module._compiled_call_impl is not None or type(module).__call__ is not nn.Module.__call__
-            or _nn_module._global_forward_pre_hooks or _nn_module._global_forward_hooks
-            or _nn_module._global_backward_pre_hooks or _nn_module._global_backward_hooks
-            or torch._C._get_tracing_state() or is_fx_symbolic_tracing()):
-        return module(*args, **kwargs)
-    return module.forward(*args, **kwargs)
 
 
 class LayerRegistryError(TypeError):

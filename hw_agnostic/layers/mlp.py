@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .activation import act_and_mul
-from .base import PluggableLayer, call
+from .base import PluggableLayer
 from .linear import Linear
+from .module_call import call
 
 
 @PluggableLayer.register("gated_mlp")

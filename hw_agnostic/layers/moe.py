@@ -25,8 +25,9 @@ from torch import Tensor, nn
 
 from ..ops.fused_experts import ACTIVATIONS, fused_experts, fused_experts_reference
 from ..ops.moe_route import moe_route, moe_route_reference
-from .base import CustomOp, PluggableLayer, call
+from .base import CustomOp, PluggableLayer
 from .mlp import GatedMLP
+from .module_call import call
 
 #: How router logits are computed: ``F.linear`` in the model dtype, on fp32 copies of the inputs
 #: (DeepSeek-V3), or in the model dtype and then cast to fp32 (Granite-MoE).

@@ -15,8 +15,9 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .base import PluggableLayer, call
+from .base import PluggableLayer
 from .linear import Linear
+from .module_call import call
 
 
 @PluggableLayer.register("qkv_projection")

@@ -222,7 +222,7 @@ class _Outer(torch.nn.Module):
         self.inner = inner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from hw_agnostic.layers.base import call
+        from hw_agnostic.layers.module_call import call
 
         return call(self.inner, x)
 
@@ -231,9 +231,9 @@ class _Outer(torch.nn.Module):
                                   "global forward pre-hook", "compiled", "own __call__", "jit trace",
                                   "fx trace"])
 def test_calling_a_child_skips_module_call_only_where_it_would_only_call_forward(kind, monkeypatch):
-    """``base.call`` runs ``forward`` directly for a module with nothing on it, and through
+    """``module_call.call`` runs ``forward`` directly for a module with nothing on it, and through
     ``nn.Module.__call__`` (its hooks, its compiled call) otherwise: the same result either way."""
-    from hw_agnostic.layers.base import call
+    from hw_agnostic.layers.module_call import call
 
     through_call: list[int] = []
     original = torch.nn.Module._call_impl
