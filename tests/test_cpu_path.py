@@ -458,16 +458,18 @@ def test_a_decode_batch_attends_as_the_grouped_path_does(lengths, dtype, monkeyp
     assert_close(got, want, dtype)
 
 
-def _regular_batch(q_lens: list[int], kv_lens: list[int], stride: int, dtype: torch.dtype) -> tuple:
-    """A batch whose sequence ``s`` reads blocks ``1 + s * stride + arange(n)`` (a paged cache's layout)."""
-    g = torch.Generator().manual_seed(len(q_lens))
-    heads, kv_heads, dim, block_size = 8, 2, 32, 4
-    width = -(-max(kv_lens) // block_size)
+def _regular_batch(q_lens: list[int], kv_lens: list[int], stride: int, dtype: torch.dtype, *,
+                   heads: tuple[int, int] = (8, 2), dim: int = 32, block_size: int = 4, spare_columns: int = 0,
+                   seed: int | None = None) -> tuple:
+    """A batch whose sequence ``s`` reads blocks ``1 + s * stride + arange(n)`` (a paged cache's layout);
+    ``spare_columns`` widen the table with columns no sequence reads."""
+    g = torch.Generator().manual_seed(len(q_lens) if seed is None else seed)
+    (num_q_heads, kv_heads), width = heads, -(-max(kv_lens) // block_size) + spare_columns
     k_cache, v_cache = (torch.randn(1 + len(kv_lens) * max(stride, width), block_size, kv_heads, dim,
                                     generator=g).to(dtype) for _ in range(2))
     table = (1 + torch.arange(len(kv_lens))[:, None] * stride + torch.arange(width)).int()
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(sum(q_lens), heads, dim, generator=g).to(dtype)
+    q = torch.randn(sum(q_lens), num_q_heads, dim, generator=g).to(dtype)
     return (q, k_cache, v_cache, table, cu, torch.tensor(kv_lens, dtype=torch.int32), dim ** -0.5, None, None, None,
             max(q_lens), max(kv_lens))
 
@@ -507,20 +509,14 @@ def _fuzzed_batch(draw_lengths: list[tuple[int, int]], decode: bool, heads: tupl
     kv_lens = [max(q, kv) for q, (_, kv) in zip(q_lens, draw_lengths)]
     if layout == "shared":  # every sequence reads the same blocks: one length for all
         kv_lens = [max(kv_lens)] * len(kv_lens)
-    g = torch.Generator().manual_seed(seed)
-    num_q_heads, num_kv_heads = heads
     if layout == "scattered":
-        return attention.example_paged_batch(q_lens, kv_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        return attention.example_paged_batch(q_lens, kv_lens, num_q_heads=heads[0], num_kv_heads=heads[1],
                                              head_dim=head_dim, block_size=block_size, dtype=dtype, device="cpu",
-                                             generator=g)
-    width = max(-(-n // block_size) for n in kv_lens) + 1  # a spare column no sequence reads
+                                             generator=torch.Generator().manual_seed(seed))
+    width = -(-max(kv_lens) // block_size) + 1  # with a spare column no sequence reads
     stride = 0 if layout == "shared" else width + 1
-    k_cache, v_cache = (torch.randn(2 + len(kv_lens) * max(stride, 1) + width, block_size, num_kv_heads, head_dim,
-                                    generator=g).to(dtype) for _ in range(2))
-    table = (1 + torch.arange(len(kv_lens))[:, None] * stride + torch.arange(width)).int()
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=g).to(dtype)
-    return q, k_cache, v_cache, table, cu, torch.tensor(kv_lens, dtype=torch.int32)
+    return _regular_batch(q_lens, kv_lens, stride, dtype, heads=heads, dim=head_dim, block_size=block_size,
+                          spare_columns=1, seed=seed)[:6]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))

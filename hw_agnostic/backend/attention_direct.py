@@ -54,10 +54,9 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from torch import Tensor, nn
-from torch.nn.modules import module as nn_module
 
 from ..layers.attention import _CACHE_NAMES, _STATE
-from ..layers.module_call import call
+from ..layers.module_call import call, no_global_hooks
 from ..layers.qkv import QKVPart, QKVProjection
 from .attention import (
     ATTENTION_NAME, _cache_classes, attend_paged, paged_attention_forward, paged_layer_of, store_step,
@@ -189,11 +188,6 @@ def recognise(cls: type) -> Optional[Recognised]:
 # the call
 
 
-def _no_global_hooks() -> bool:
-    return not (nn_module._global_forward_pre_hooks or nn_module._global_forward_hooks
-                or nn_module._global_backward_pre_hooks or nn_module._global_backward_hooks)
-
-
 def _merged_projection(children: dict[str, Optional[nn.Module]]) -> Optional[QKVProjection]:
     """The merged projection whose parts q/k/v are, hook-free (None: they are not)."""
     qkv = children.get("qkv_proj")
@@ -254,7 +248,7 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     hidden, rotary = arguments.get("hidden_states"), arguments.get("position_embeddings")
     if (state.unservable is not None or any(name in arguments for name in _PASSED_ON)
             or not isinstance(hidden, Tensor) or not isinstance(rotary, (tuple, list)) or len(rotary) != 2
-            or module.needs_fallback(hidden) or not _no_global_hooks()):
+            or module.needs_fallback(hidden) or not no_global_hooks()):
         return NotImplemented
     cache = next((arguments[name] for name in state.cache_names if arguments.get(name) is not None), None)
     Cache, EncoderDecoderCache, PagedAttentionCache = _cache_classes()
