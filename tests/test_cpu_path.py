@@ -453,8 +453,7 @@ def test_a_decode_batch_attends_as_the_grouped_path_does(lengths, dtype, monkeyp
     assert ran == ([] if len(set(lengths)) == 1 else [1])
     _assert_same_bits(got, grouped)
     assert got.is_contiguous()
-    want = attention.paged_attention_reference(*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point()
-                                                  else a for a in args])
+    want = _float64_spec(args)
     assert_close(got, want, dtype)
 
 
@@ -487,8 +486,7 @@ def test_pages_in_a_regular_layout_are_read_in_place(q_lens, kv_lens, stride, dt
     got = attention._EAGER_ATTENTION(*args)
     monkeypatch.setattr(attention, "_regular_blocks", lambda blocks: None)
     _assert_same_bits(got, attention._EAGER_ATTENTION(*args))
-    want = attention.paged_attention_reference(*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point()
-                                                  else a for a in args])
+    want = _float64_spec(args)
     assert_close(got, want, dtype)
 
 
@@ -551,9 +549,118 @@ def test_fuzz_the_cpu_attention_against_the_spec(lengths, decode, heads, head_di
             max(kv) if hints else None)
     got = attention._EAGER_ATTENTION(*args)
     assert got.shape == q.shape and got.dtype == dtype
-    want = attention.paged_attention_reference(*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point()
-                                                  else a for a in args])
+    want = _float64_spec(args)
     assert_close(got, want, dtype)
+
+
+def _float64_spec(args: tuple) -> torch.Tensor:
+    """The attention spec of ``args`` computed in float64."""
+    attention = importlib.import_module("hw_agnostic.ops.paged_attention")
+    return attention.paged_attention_reference(*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                                                  else a for a in args])
+
+
+def _scattered(q_lens: list[int], kv_lens: list[int], dtype: torch.dtype, seed: int = 0) -> tuple:
+    """A batch whose blocks are scattered (gathered on the CPU path), with its scalar arguments."""
+    attention = importlib.import_module("hw_agnostic.ops.paged_attention")
+    while True:  # the first seed from ``seed`` whose random layout is not one a page view reads in place
+        batch = attention.example_paged_batch(q_lens, kv_lens, num_q_heads=8, num_kv_heads=2, head_dim=32,
+                                              block_size=4, dtype=dtype, device="cpu",
+                                              generator=torch.Generator().manual_seed(seed))
+        if attention._regular_blocks(batch[3]) is None:
+            return (*batch, 32 ** -0.5, None, None, None, None, None)
+        seed += 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_scattered_blocks_are_gathered_into_the_threads_buffers(dtype, monkeypatch):
+    """Scattered blocks are copied into the thread's gather buffers (one for keys, one for values),
+    kept between calls; no result aliases them, so later calls leave it as it was; a gather past
+    the limit takes fresh memory and leaves the buffers alone."""
+    attention = importlib.import_module("hw_agnostic.ops.paged_attention")
+    small, large = _scattered([1, 1], [9, 20], dtype), _scattered([1, 1, 5], [30, 30, 40], dtype, seed=1)
+    first = attention._EAGER_ATTENTION(*small)
+    kept = first.clone()
+    buffers = attention._gather_buffers.buffers
+    assert {(slot, dtype) for slot, dtype, _ in buffers} >= {(0, dtype), (1, dtype)}
+    got = attention._EAGER_ATTENTION(*large)  # grows them
+    assert_close(got, _float64_spec(large), dtype)
+    places = {key: buffer.data_ptr() for key, buffer in buffers.items()}
+    again = attention._EAGER_ATTENTION(*small)
+    assert {key: buffer.data_ptr() for key, buffer in buffers.items()} == places  # reused, not made again
+    _assert_same_bits(first, kept)
+    _assert_same_bits(again, first)
+    assert_close(again, _float64_spec(small), dtype)
+    monkeypatch.setattr(attention._ReferenceAttention, "MAX_GATHER_BYTES", 64)
+    before = {key: buffer.clone() for key, buffer in buffers.items()}
+    _assert_same_bits(attention._EAGER_ATTENTION(*small), first)
+    for key, buffer in buffers.items():
+        _assert_same_bits(buffer, before[key])
+
+
+def test_threads_gather_into_their_own_buffers():
+    """Threads attending at once gather into buffers of their own: each gets its batch's result."""
+    import threading
+
+    attention = importlib.import_module("hw_agnostic.ops.paged_attention")
+    batches = [_scattered([1, 1, 1], [17, 17, 17], torch.float32, seed=s) for s in range(2)]
+    alone = [attention._EAGER_ATTENTION(*batch) for batch in batches]
+    wrong: list[int] = []
+
+    def attend(index: int) -> None:
+        for _ in range(200):
+            if not torch.equal(attention._EAGER_ATTENTION(*batches[index]), alone[index]):
+                wrong.append(index)
+
+    threads = [threading.Thread(target=attend, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_the_cpu_attentions_finiteness_check(dtype):
+    """A NaN or an infinity anywhere is seen; finite values whose sum overflows a 16-bit dtype are
+    finite (fp16: the sum is redone in fp32)."""
+    attention = importlib.import_module("hw_agnostic.ops.paged_attention")
+    values = torch.full((4, 256), 1000.0, dtype=dtype)
+    assert attention._finite(values)
+    for position in (0, 517, 1023):
+        for poison in (float("nan"), float("inf"), -float("inf")):
+            poisoned = values.clone()
+            poisoned.view(-1)[position] = poison
+            assert not attention._finite(poisoned)
+    both = values.clone()
+    both.view(-1)[:2] = torch.tensor([float("inf"), -float("inf")])
+    assert not attention._finite(both)
+
+
+def test_large_finite_fp16_queries_take_sdpa():
+    """fp16 queries whose fp16 sum overflows are finite: SDPA runs, not the reference."""
+    attention = importlib.import_module("hw_agnostic.ops.paged_attention")
+    args = _scattered([1, 1], [9, 9], torch.float16)
+    q = torch.full_like(args[0], 300.0)
+    assert not torch.isfinite(q.sum())
+    ran = []
+    provided = attention._ReferenceAttention(lambda *a: ran.append(1) or attention.paged_attention_reference(*a))
+    got = provided(q, *args[1:])
+    assert ran == []
+    assert_close(got, _float64_spec((q, *args[1:])), torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("q_len, kv_len, window", [(7, 7, None), (5, 13, None), (9, 9, 4)],
+                         ids=["prompt", "chunk", "window"])
+def test_a_prompt_owning_every_row(q_len, kv_len, window, dtype):
+    """One prompt owning every query row: its attention is the result, contiguous, as the spec computes it."""
+    attention = importlib.import_module("hw_agnostic.ops.paged_attention")
+    args = list(_scattered([q_len], [kv_len], dtype))
+    args[7] = window
+    got = attention._EAGER_ATTENTION(*args)
+    assert got.is_contiguous() and got.shape == args[0].shape
+    assert_close(got, _float64_spec(tuple(args)), dtype)
 
 
 def _write_case(tokens: int, *, slots: list[int] | None = None, dtype: torch.dtype = torch.float32,

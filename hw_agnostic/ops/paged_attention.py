@@ -52,6 +52,7 @@ past ``max_q_len`` hold whatever the memory held); a larger one only costs time.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
@@ -192,10 +193,12 @@ class _ReferenceAttention:
     attention runs it: fp32 logits, softmax and accumulation, 16-bit probabilities into the value
     product, as the DSL kernel rounds them (within the spec's tolerance; upcasting the pages to
     fp32 first cost 2.5-3.5x the time: 8 decode sequences of 2048 tokens at Llama-3-8B's heads,
-    39 against 14 ms). Decode sequences with the same number of keys run as one batch, in chunks whose
-    gathered pages stay below :attr:`MAX_GATHER_BYTES` (a larger fresh buffer costs page faults
-    on every call). Softcap and sinks, which SDPA cannot express, fp64, and batches with queries
-    that see no key run the reference itself.
+    39 against 14 ms). Pages laid out in order are read in place (:func:`_page_view`), scattered
+    ones gathered into per-thread buffers (:func:`_gathered`). Decode sequences with the same
+    number of keys run as one batch, each KV head's query heads as its query rows, in chunks whose
+    gathered pages stay below :attr:`MAX_GATHER_BYTES`; a prompt owning every query row is
+    returned as SDPA computed it. Softcap and sinks, which SDPA cannot express, fp64, and batches
+    with queries that see no key run the reference itself.
     """
 
     MAX_GATHER_BYTES = 16 << 20
@@ -226,10 +229,8 @@ class _ReferenceAttention:
         # NaN or infinities met in the pages: SDPA lets a key a row cannot see poison it (0 * NaN),
         # the reference does not (non-finite inputs that change nothing, a key at -inf, leave the
         # output finite); in the queries: CPU SDPA's causal flash path turns a NaN query into 0.
-        # Either way the reference runs. One fp32 sum of each, not isfinite().all(): 0.16 against
-        # 2.5 ms for a 512-token prefill's queries (a sum that overflows only sends the call to the
-        # reference too).
-        if not math.isfinite(float(q.sum(dtype=torch.float32)) + float(out.sum(dtype=torch.float32))):
+        # Either way the reference runs.
+        if not (_finite(q) and _finite(out)):
             return self.reference(*args)
         return out
 
@@ -250,8 +251,12 @@ class _ReferenceAttention:
                           cu_seqlens_q: Tensor, spans: list[tuple[int, int, int]], scale: float,
                           sliding_window: Optional[int], row_bytes: int) -> Tensor:
         """Each prompt on its own; decode queries with the same number of keys batched, in chunks."""
-        out = torch.zeros_like(q)
         block_size = k_cache.shape[1]
+        if len(spans) == 1 and spans[0][:2] == (0, q.shape[0]) and q.shape[0] > 1:  # one prompt owns every row
+            blocks = block_table[:1, : -(-spans[0][2] // block_size)]
+            return self._attend(q[None], k_cache, v_cache, blocks, spans[0][2], scale, sliding_window)[0].contiguous()
+        # rows no sequence owns are 0; where the sequences own every row, each is written below
+        out = torch.empty_like(q) if spans and spans[0][0] == 0 and spans[-1][1] == q.shape[0] else torch.zeros_like(q)
         decode: dict[int, list[int]] = {}
         for seq, (start, end, kv_len) in enumerate(spans):
             if end - start == 1:
@@ -292,23 +297,70 @@ class _ReferenceAttention:
 
         regular = _regular_blocks(blocks)
 
-        def pages(cache: Tensor) -> Tensor:  # [b, Hkv, keys, D]
+        def pages(cache: Tensor, slot: int) -> Tensor:  # [b, Hkv, keys, D]
             tokens = _page_view(cache, blocks.shape, regular)
-            if tokens is None:  # index_select copies whole blocks
-                tokens = cache.index_select(0, blocks.reshape(-1)).view(*blocks.shape, *cache.shape[1:]).flatten(1, 2)
+            if tokens is None:  # whole blocks copied, into the thread's gather buffer where they fit it
+                tokens = _gathered(cache, blocks.reshape(-1), slot).view(*blocks.shape, *cache.shape[1:]).flatten(1, 2)
             heads_first = tokens[:, first:kv_len].transpose(1, 2)
             # A whole prompt's causal flash kernel runs faster on contiguous heads (512 tokens at
             # Llama-3-8B's: 15.1 against 17.3 ms, the copy included); decode and masked chunks
             # read the strided view faster (8 x 2048 decode: 17 against 44 ms with the copy).
             return heads_first.contiguous() if causal else heads_first
+        if q_len == 1:
+            # One query per sequence: the query heads of a group read the same keys, so they are
+            # that group's query rows, unmasked, with no GQA expansion. CPU SDPA reads the strided
+            # page view about 3x faster that way than as GQA heads of one query row each (2048 keys
+            # at Llama-3-8B's heads: 0.45 against 1.3 ms; about what it takes on contiguous K/V).
+            batch, _, num_q_heads, head_dim = queries.shape
+            kv_heads = k_cache.shape[2]
+            grouped = queries.reshape(batch, kv_heads, num_q_heads // kv_heads, head_dim)
+            attended = torch.nn.functional.scaled_dot_product_attention(grouped, pages(k_cache, 0),
+                                                                        pages(v_cache, 1), scale=scale)
+            return attended.reshape(batch, 1, num_q_heads, head_dim)
         attended = torch.nn.functional.scaled_dot_product_attention(
-            queries.transpose(1, 2), pages(k_cache), pages(v_cache), attn_mask=mask, is_causal=causal,
+            queries.transpose(1, 2), pages(k_cache, 0), pages(v_cache, 1), attn_mask=mask, is_causal=causal,
             scale=scale, enable_gqa=True)
         return attended.transpose(1, 2)
 
 
 #: the op's native form: what the reference provider runs when compiling is on or in native mode
 _EAGER_ATTENTION = _ReferenceAttention(paged_attention_reference)
+
+#: per thread, the buffers scattered blocks are gathered into: ``{(slot, dtype, device): flat tensor}``
+_gather_buffers = threading.local()
+
+
+def _gathered(cache: Tensor, blocks: Tensor, slot: int) -> Tensor:
+    """``cache.index_select(0, blocks)``, written into this thread's buffer ``slot`` (0: keys, 1:
+    values) where it fits :attr:`_ReferenceAttention.MAX_GATHER_BYTES` and the cache is in CPU memory.
+
+    A fresh gather of a few MB is fresh memory from the OS on every call, and its page faults
+    cost more than the copy (8 decode sequences of 2048 tokens at Llama-3-8B's heads: 18 against
+    2.7 ms for the gathers alone). So each thread keeps one buffer per slot, dtype and device, grown
+    to the largest gather that fits the limit (at most twice that limit per dtype and device); the
+    attention reads it before the call returns, and a larger gather is fresh memory, as before."""
+    shape = (blocks.shape[0], *cache.shape[1:])
+    count = math.prod(shape)
+    # (a device's own caching allocator reuses memory, and its queued reads would race a reused buffer)
+    if cache.device.type != "cpu" or count * cache.element_size() > _ReferenceAttention.MAX_GATHER_BYTES:
+        return cache.index_select(0, blocks)
+    buffers = getattr(_gather_buffers, "buffers", None)
+    if buffers is None:
+        buffers = _gather_buffers.buffers = {}
+    key = (slot, cache.dtype, cache.device)
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < count:
+        buffer = buffers[key] = torch.empty(count, dtype=cache.dtype, device=cache.device)
+    return torch.index_select(cache, 0, blocks, out=buffer[:count].view(shape))
+
+
+def _finite(tensor: Tensor) -> bool:
+    """Whether ``tensor`` holds only finite numbers, as far as its sum tells (a NaN or an infinity
+    makes the sum NaN or infinite; a sum that overflows sends the call to the reference, which is
+    only slower): first summed in its own dtype, which a 16-bit tensor's sum takes a fifth of the
+    fp32 sum's time for (a 512-token bf16 prefill's queries: 71 against 400 µs), then, if that sum
+    overflowed the 16-bit range, in fp32. Not ``isfinite().all()``: 2.6 ms there."""
+    return math.isfinite(float(tensor.sum())) or math.isfinite(float(tensor.sum(dtype=torch.float32)))
 
 
 def _regular_blocks(blocks: Tensor) -> Optional[tuple[int, int]]:
