@@ -805,6 +805,52 @@ def test_moe_and_cache_ops(op, case, caplog):
     assert not [r for r in caplog.records if "running it eagerly" in r.getMessage()]
 
 
+def _grouped_mm_calls(monkeypatch) -> list[int]:
+    """Counts the calls of ``torch._grouped_mm`` (the CPU experts' products)."""
+    calls: list[int] = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", [
+    dict(tokens=9, experts=5, top_k=2), dict(tokens=1, experts=8, top_k=2), dict(tokens=6, experts=5, top_k=1,
+    pattern="one_expert"), dict(tokens=8, experts=13, top_k=2, pattern="two_experts"), dict(tokens=9, experts=5,
+    top_k=2, pattern="sentinels"), dict(tokens=3, experts=5, top_k=5), dict(tokens=0, experts=5, top_k=2),
+    dict(tokens=9, experts=5, top_k=2, weights_dtype=torch.float32), dict(tokens=9, experts=5, top_k=2,
+    activation="gelu_tanh"), dict(tokens=9, experts=5, top_k=2, gpt_oss=True)], ids=repr)
+def test_the_cpu_experts_group_their_products(case, dtype, monkeypatch):
+    """The CPU path's experts (products as ``torch._grouped_mm`` over the pairs sorted by expert, where
+    its stride rules allow) give the reference's bits: layouts, idle experts, sentinels, no tokens,
+    fp32 router weights, biases."""
+    from tests.ops.test_fused_experts import fused_case
+
+    experts = importlib.import_module("hw_agnostic.ops.fused_experts")
+    case = dict(case)  # the parameter is shared by the dtypes' runs
+    args = fused_case(case.pop("tokens"), case.pop("experts"), case.pop("top_k"), 16, 24, dtype, **case).make()
+    calls = _grouped_mm_calls(monkeypatch)
+    got = experts._grouped_experts(*args)
+    assert len(calls) == 2
+    _assert_same_bits(got, experts.fused_experts_reference(*args))
+
+
+@pytest.mark.parametrize("hidden, inter, layout", [(13, 24, "contiguous"), (16, 13, "contiguous"),
+                                                   (16, 24, "padded")], ids=["hidden", "inter", "padded-rows"])
+def test_the_cpu_experts_run_the_reference_where_grouped_mm_would_refuse(hidden, inter, layout, monkeypatch):
+    """Rows or weights whose strides ``torch._grouped_mm`` refuses (not a multiple of 16 bytes) run the reference loop."""
+    from tests.ops.test_fused_experts import fused_case
+
+    experts = importlib.import_module("hw_agnostic.ops.fused_experts")
+    args = list(fused_case(9, 5, 2, hidden, inter, torch.float32, layout=layout).make())
+    if layout == "padded":  # weights whose rows are 17 floats apart
+        args[1] = torch.randn(5, 2 * inter, hidden + 1)[:, :, :hidden]
+    calls = _grouped_mm_calls(monkeypatch)
+    got = experts._grouped_experts(*args)
+    assert calls == []
+    _assert_same_bits(got, experts.fused_experts_reference(*args))
+
+
 def test_softmax_routing_is_bit_identical_to_the_reference():
     route = importlib.import_module("hw_agnostic.ops.moe_route")
     g = torch.Generator().manual_seed(3)

@@ -29,7 +29,7 @@ from ..autotune.shapes import moe_model
 from ..kernels import fused_experts as kernels
 from ..kernels.launch_binding import bindable
 from . import activations, checks
-from .grouped_gemm import Gemm, eager_reference, example_weights, project
+from .grouped_gemm import Gemm, example_weights, project
 from .moe_align import INDEX_DTYPES, Aligner
 from .moe_common import MAX_KERNEL_EXPERTS, dtype_name, example_routing, helion_provider
 from .registry import Op
@@ -84,6 +84,74 @@ def fused_experts_reference(
             y = y + down_bias[expert]
         pair_out[pairs] = y * weight_of[pairs, None]
     return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
+
+
+#: dtypes ``torch._grouped_mm`` multiplies on the CPU
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _grouped_experts(
+    hidden: Tensor, w_gate_up: Tensor, w_down: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+    gate_up_bias: Optional[Tensor], down_bias: Optional[Tensor], activation: str, transposed: bool, interleaved: bool,
+    swiglu_alpha: float, swiglu_limit: float,
+) -> Tensor:
+    """What the reference provider runs on the CPU: the reference's computation with each
+    projection one ``torch._grouped_mm`` over the pairs sorted by expert (its CPU kernel multiplies
+    each expert's rows as the reference's per-expert product does: the same bits, the tests check)
+    instead of a Python loop over the experts present. Qwen3-30B-A3B's experts in bf16: 16 tokens
+    58 against 83 ms, 256 tokens 108 against 120. Other devices and dtypes (and a torch without a
+    CPU ``_grouped_mm``) run the reference."""
+    args = (hidden, w_gate_up, w_down, topk_weights, topk_ids, gate_up_bias, down_bias, activation, transposed,
+            interleaved, swiglu_alpha, swiglu_limit)
+    grouped_mm = getattr(torch, "_grouped_mm", None)
+    gate_up_weights = w_gate_up if transposed else w_gate_up.transpose(1, 2)
+    down_weights = w_down if transposed else w_down.transpose(1, 2)
+    num_tokens, hidden_size = hidden.shape
+    if (grouped_mm is None or hidden.device.type != "cpu" or hidden.dtype not in GROUPED_MM_DTYPES
+            or not all(_fits_grouped_mm(w) for w in (gate_up_weights, down_weights))
+            or (hidden_size * hidden.element_size()) % 16 or (down_weights.shape[1] * hidden.element_size()) % 16):
+        return fused_experts_reference(*args)
+    top_k, num_experts = topk_ids.shape[1], w_gate_up.shape[0]
+    expert_of = topk_ids.reshape(-1)
+    # expert-parallel sentinels (ids outside [0, E)) sort last, past every expert's rows: no product reads them
+    group = torch.where((expert_of >= 0) & (expert_of < num_experts), expert_of, num_experts)
+    ends = torch.bincount(group, minlength=num_experts + 1)[:num_experts].cumsum(0).to(torch.int32)
+    pairs = torch.argsort(group, stable=True)[: int(ends[-1])]
+    gate_up = grouped_mm(hidden[pairs // top_k], gate_up_weights, offs=ends)
+    experts = group[pairs] if gate_up_bias is not None or down_bias is not None else None
+    if gate_up_bias is not None:
+        gate_up = gate_up + gate_up_bias[experts]
+    gated = gated_reference(gate_up, activation, interleaved, swiglu_alpha, swiglu_limit)
+    y = grouped_mm(gated, down_weights, offs=ends)
+    if down_bias is not None:
+        y = y + down_bias[experts]
+    pair_dtype = torch.promote_types(hidden.dtype, topk_weights.dtype)
+    pair_out = torch.zeros(num_tokens * top_k, hidden_size, dtype=pair_dtype, device=hidden.device)
+    pair_out[pairs] = y * topk_weights.reshape(-1)[pairs, None]
+    return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
+
+
+def _fits_grouped_mm(matrices: Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes ``matrices`` (``[E, K, N]``) as its second operand, as it
+    checks one: 16-byte aligned data, one of the last two dims unit-stride and the other's stride
+    at least that dim's size and a multiple of 16 bytes. (Its first operands here, the gathered rows
+    ``[M, H]`` and the activation ``[M, I]``, are fresh contiguous tensors: their row bytes are checked.)"""
+    rows_stride, columns_stride = matrices.stride()[-2:]
+    rows, columns = matrices.shape[-2:]
+    if matrices.data_ptr() % 16:
+        return False
+    if columns_stride == 1 and rows_stride >= max(1, columns):
+        outer = rows_stride
+    elif rows_stride == 1 and columns_stride >= max(1, rows):
+        outer = columns_stride
+    else:
+        return False
+    return outer * matrices.element_size() % 16 == 0
+
+
+def _grouped_reference(op_name: str, reference: object) -> object:
+    """The reference provider runs :func:`_grouped_experts` (data-dependent shapes: nothing to compile)."""
+    return _grouped_experts
 
 
 def _fused_experts_fake(hidden: Tensor, *args: object) -> Tensor:
@@ -277,7 +345,7 @@ def _example_fused(tokens: int, width: int, dtype: torch.dtype, device: str) -> 
 fused_experts_op = Op(
     "fused_experts", fused_experts_reference, check=check_fused_experts, key=fused_experts_key,
     providers=[helion_provider(_build_fused, _fused_accepts, kernels.FUSED_EXPERTS, _fused_tuning_key)],
-    example_inputs=_example_fused, fake=_fused_experts_fake, compiled_reference=eager_reference,
+    example_inputs=_example_fused, fake=_fused_experts_fake, compiled_reference=_grouped_reference,
 )
 
 
