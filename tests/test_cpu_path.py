@@ -838,7 +838,8 @@ def test_the_cpu_experts_group_their_products(case, dtype, monkeypatch):
 @pytest.mark.parametrize("hidden, inter, layout", [(13, 24, "contiguous"), (16, 13, "contiguous"),
                                                    (16, 24, "padded")], ids=["hidden", "inter", "padded-rows"])
 def test_the_cpu_experts_run_the_reference_where_grouped_mm_would_refuse(hidden, inter, layout, monkeypatch):
-    """Rows or weights whose strides ``torch._grouped_mm`` refuses (not a multiple of 16 bytes) run the reference loop."""
+    """Rows or weights whose strides ``torch._grouped_mm`` refuses (not a multiple of 16 bytes) run
+    the reference loop."""
     from tests.ops.test_fused_experts import fused_case
 
     experts = importlib.import_module("hw_agnostic.ops.fused_experts")
