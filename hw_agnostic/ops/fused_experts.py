@@ -29,7 +29,7 @@ from ..autotune.shapes import moe_model
 from ..kernels import fused_experts as kernels
 from ..kernels.launch_binding import bindable
 from . import activations, checks
-from .grouped_gemm import Gemm, example_weights, project
+from .grouped_gemm import Gemm, eager_reference, example_weights, project
 from .moe_align import INDEX_DTYPES, Aligner
 from .moe_common import MAX_KERNEL_EXPERTS, dtype_name, example_routing, helion_provider
 from .registry import Op
@@ -95,7 +95,7 @@ def _grouped_experts(
     gate_up_bias: Optional[Tensor], down_bias: Optional[Tensor], activation: str, transposed: bool, interleaved: bool,
     swiglu_alpha: float, swiglu_limit: float,
 ) -> Tensor:
-    """What the reference provider runs on the CPU: the reference's computation with each
+    """What the reference provider runs on the CPU (the op's native form): the reference's computation with each
     projection one ``torch._grouped_mm`` over the pairs sorted by expert (its CPU kernel multiplies
     each expert's rows as the reference's per-expert product does: the same bits, the tests check)
     instead of a Python loop over the experts present. Qwen3-30B-A3B's experts in bf16: 16 tokens
@@ -149,9 +149,9 @@ def _fits_grouped_mm(matrices: Tensor) -> bool:
     return outer * matrices.element_size() % 16 == 0
 
 
-def _grouped_reference(op_name: str, reference: object) -> object:
-    """The reference provider runs :func:`_grouped_experts` (data-dependent shapes: nothing to compile)."""
-    return _grouped_experts
+def _native(key: FusedKey) -> object:
+    """The op's faster eager form (see :func:`_grouped_experts`): on the CPU, compiling or not."""
+    return _grouped_experts if key.device == "cpu" else None
 
 
 def _fused_experts_fake(hidden: Tensor, *args: object) -> Tensor:
@@ -345,7 +345,7 @@ def _example_fused(tokens: int, width: int, dtype: torch.dtype, device: str) -> 
 fused_experts_op = Op(
     "fused_experts", fused_experts_reference, check=check_fused_experts, key=fused_experts_key,
     providers=[helion_provider(_build_fused, _fused_accepts, kernels.FUSED_EXPERTS, _fused_tuning_key)],
-    example_inputs=_example_fused, fake=_fused_experts_fake, compiled_reference=_grouped_reference,
+    example_inputs=_example_fused, fake=_fused_experts_fake, compiled_reference=eager_reference, native=_native,
 )
 
 
