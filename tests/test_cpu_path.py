@@ -806,7 +806,10 @@ def test_moe_and_cache_ops(op, case, caplog):
 
 
 def _grouped_mm_calls(monkeypatch) -> list[int]:
-    """Counts the calls of ``torch._grouped_mm`` (the CPU experts' products)."""
+    """Counts the calls of ``torch._grouped_mm`` (the CPU experts' products; its probe made before)."""
+    experts = importlib.import_module("hw_agnostic.ops.fused_experts")
+    for dtype in experts.GROUPED_MM_DTYPES:
+        experts._cpu_grouped_mm(dtype)
     calls: list[int] = []
     grouped_mm = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
@@ -850,6 +853,25 @@ def test_the_cpu_experts_run_the_reference_where_grouped_mm_would_refuse(hidden,
     got = experts._grouped_experts(*args)
     assert calls == []
     _assert_same_bits(got, experts.fused_experts_reference(*args))
+
+
+def test_the_cpu_experts_loop_where_grouped_mm_does_not_run(monkeypatch):
+    """A torch whose ``_grouped_mm`` has no CPU kernel for the dtype (the probe says so) runs the reference loop."""
+    from tests.ops.test_fused_experts import fused_case
+
+    experts = importlib.import_module("hw_agnostic.ops.fused_experts")
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("no CPU kernel")
+
+    monkeypatch.setattr(torch, "_grouped_mm", refuse)
+    experts._cpu_grouped_mm.cache_clear()
+    try:
+        args = fused_case(9, 5, 2, 16, 24, torch.bfloat16).make()
+        _assert_same_bits(experts._grouped_experts(*args), experts.fused_experts_reference(*args))
+        assert not experts._cpu_grouped_mm(torch.bfloat16)
+    finally:
+        experts._cpu_grouped_mm.cache_clear()
 
 
 def test_softmax_routing_is_bit_identical_to_the_reference():

@@ -18,6 +18,7 @@ Layouts (``transposed``): ``False`` is the Hugging Face default, ``gate_up_proj 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
@@ -99,19 +100,18 @@ def _grouped_experts(
     projection one ``torch._grouped_mm`` over the pairs sorted by expert (its CPU kernel multiplies
     each expert's rows as the reference's per-expert product does: the same bits, the tests check)
     instead of a Python loop over the experts present. Qwen3-30B-A3B's experts in bf16: 16 tokens
-    58 against 83 ms, 256 tokens 108 against 120. Other devices and dtypes (and a torch without a
-    CPU ``_grouped_mm``) run the reference."""
+    58 against 83 ms, 256 tokens 108 against 120. Other devices and dtypes (and a torch whose
+    ``_grouped_mm`` does not, see :func:`_cpu_grouped_mm`) run the reference."""
     args = (hidden, w_gate_up, w_down, topk_weights, topk_ids, gate_up_bias, down_bias, activation, transposed,
             interleaved, swiglu_alpha, swiglu_limit)
-    grouped_mm = getattr(torch, "_grouped_mm", None)
     gate_up_weights = w_gate_up if transposed else w_gate_up.transpose(1, 2)
     down_weights = w_down if transposed else w_down.transpose(1, 2)
     num_tokens, hidden_size = hidden.shape
-    if (grouped_mm is None or hidden.device.type != "cpu" or hidden.dtype not in GROUPED_MM_DTYPES
+    if (hidden.device.type != "cpu" or hidden.dtype not in GROUPED_MM_DTYPES or not _cpu_grouped_mm(hidden.dtype)
             or not all(_fits_grouped_mm(w) for w in (gate_up_weights, down_weights))
             or (hidden_size * hidden.element_size()) % 16 or (down_weights.shape[1] * hidden.element_size()) % 16):
         return fused_experts_reference(*args)
-    top_k, num_experts = topk_ids.shape[1], w_gate_up.shape[0]
+    grouped_mm, top_k, num_experts = torch._grouped_mm, topk_ids.shape[1], w_gate_up.shape[0]
     expert_of = topk_ids.reshape(-1)
     # expert-parallel sentinels (ids outside [0, E)) sort last, past every expert's rows: no product reads them
     group = torch.where((expert_of >= 0) & (expert_of < num_experts), expert_of, num_experts)
@@ -129,6 +129,24 @@ def _grouped_experts(
     pair_out = torch.zeros(num_tokens * top_k, hidden_size, dtype=pair_dtype, device=hidden.device)
     pair_out[pairs] = y * topk_weights.reshape(-1)[pairs, None]
     return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_grouped_mm(dtype: torch.dtype) -> bool:
+    """Whether this torch's ``torch._grouped_mm`` multiplies ``dtype`` matrices on the CPU as the
+    reference's per-expert ``F.linear`` does, bit for bit (probed once per dtype on a small problem
+    in the Hugging Face layout, one expert idle)."""
+    grouped_mm = getattr(torch, "_grouped_mm", None)
+    if grouped_mm is None:
+        return False
+    g = torch.Generator().manual_seed(0)
+    rows, weights = torch.randn(5, 16, generator=g).to(dtype), torch.randn(3, 8, 16, generator=g).to(dtype)
+    try:
+        out = grouped_mm(rows, weights.transpose(1, 2), offs=torch.tensor([2, 2, 5], dtype=torch.int32))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return (torch.equal(out[:2], torch.nn.functional.linear(rows[:2], weights[0]))
+            and torch.equal(out[2:], torch.nn.functional.linear(rows[2:], weights[2])))
 
 
 def _fits_grouped_mm(matrices: Tensor) -> bool:
