@@ -2,7 +2,9 @@
 
 Decode (``op = "paged_attention decode"``): ``batch`` sequences of ``context`` keys each, one new
 query per sequence; ``tokens`` is the batch and ``width`` the context. The op reads each
-sequence's pages through a shuffled block table. Baselines: PyTorch SDPA on contiguous
+sequence's pages through a shuffled block table; the CPU's ``paged_attention decode in-order`` rows
+through one whose blocks are each sequence's in order (the layout a rewired model's paged
+``DynamicCache`` keeps, which the CPU path reads in place instead of gathering). Baselines: PyTorch SDPA on contiguous
 ``[B, Hkv, context, D]`` K/V (``torch_sdpa``, GQA without repeating K/V), and on GPUs FlashAttention's
 paged ``flash_attn_with_kvcache`` and FlashInfer's paged decode when installed. Bytes are the K/V
 read plus q and the output; ``bw_fraction`` divides by the same run's copy bandwidth. A baseline
@@ -30,6 +32,7 @@ from SDPA, not what the kernels do.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -48,8 +51,10 @@ MIXED_CONTEXT = 2048  # keys of each decode step beside a mixed row's prompt
 
 def _grid(device: torch.device, quick: bool) -> list[tuple[str, int, int]]:
     mixed: list[tuple[int, int]] = []  # (decode steps, prompt tokens)
+    in_order: list[tuple[int, int]] = []  # decode over each sequence's blocks in order (the CPU reads them in place)
     if device.type == "cpu":
         decode = [(b, c) for b in (1, 8) for c in ((512,) if quick else (512, 2048))]
+        in_order = decode
         prefill = [(1, 256)] if quick else [(1, 512), (2, 256)]
     elif quick:
         decode = [(b, c) for b in (1, 64) for c in (2048, 8192)]
@@ -59,16 +64,19 @@ def _grid(device: torch.device, quick: bool) -> list[tuple[str, int, int]]:
         decode = [(b, c) for b in (1, 8, 64, 256) for c in (512, 2048, 8192, 32768)]
         prefill = [(s, t) for s in (1, 4, 8) for t in (512, 2048, 8192)]
         mixed = [(d, t) for d in (15, 63, 255) for t in (512, 2048)]
-    return ([("decode", b, c) for b, c in decode] + [("prefill", s, t) for s, t in prefill]
-            + [("mixed", d, t) for d, t in mixed])
+    return ([("decode", b, c) for b, c in decode] + [("decode in-order", b, c) for b, c in in_order]
+            + [("prefill", s, t) for s, t in prefill] + [("mixed", d, t) for d, t in mixed])
 
 
-def _paged_cache(seqs: int, context: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+def _paged_cache(seqs: int, context: int, dtype: torch.dtype, device: torch.device,
+                 in_order: bool = False) -> tuple[torch.Tensor, ...]:
+    """K/V caches and a block table: blocks shuffled over the cache, or each sequence's in order
+    one after the other (a rewired model's paged ``DynamicCache`` lays them out so)."""
     blocks_per_seq = -(-context // BLOCK_SIZE)
     shape = (seqs * blocks_per_seq, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     k_cache = torch.randn(shape, device=device, dtype=dtype)
     v_cache = torch.randn(shape, device=device, dtype=dtype)
-    order = torch.randperm(seqs * blocks_per_seq, device=device)
+    order = (torch.arange if in_order else torch.randperm)(seqs * blocks_per_seq, device=device)
     table = order.view(seqs, blocks_per_seq).to(torch.int32)
     return k_cache, v_cache, table
 
@@ -89,8 +97,9 @@ def _flashinfer() -> Any:
     return flashinfer
 
 
-def _decode(batch: int, context: int, dtype: torch.dtype, device: torch.device) -> tuple[dict, dict, tuple]:
-    k_cache, v_cache, table = _paged_cache(batch, context, dtype, device)
+def _decode(batch: int, context: int, dtype: torch.dtype, device: torch.device,
+            in_order: bool = False) -> tuple[dict, dict, tuple]:
+    k_cache, v_cache, table = _paged_cache(batch, context, dtype, device, in_order)
     q = torch.randn(batch, Q_HEADS, HEAD_DIM, device=device, dtype=dtype)
     cu = torch.arange(batch + 1, device=device, dtype=torch.int32)
     lens = torch.full((batch,), context, device=device, dtype=torch.int32)
@@ -224,13 +233,15 @@ def run(device: torch.device, *, quick: bool, log: Callable[[str], None],
         if cache_bytes > MAX_CACHE_BYTES:
             log(f"[{index}/{len(grid)}] skip {kind} {count}x{length}: {cache_bytes / 2**30:.0f} GiB per cache")
             continue
-        names = {"decode": ("batch", "context"), "prefill": ("seqs", "tokens"), "mixed": ("decodes", "prompt")}[kind]
+        names = {"decode": ("batch", "context"), "decode in-order": ("batch", "context"), "prefill": ("seqs", "tokens"),
+                 "mixed": ("decodes", "prompt")}[kind]
         log(f"[{index}/{len(grid)}] {_label(kind, count, length)} ({names[0]}={count} {names[1]}={length})")
         with torch.inference_mode():
-            build = {"decode": _decode, "prefill": _prefill, "mixed": _mixed}[kind]
+            build = {"decode": _decode, "decode in-order": functools.partial(_decode, in_order=True),
+                     "prefill": _prefill, "mixed": _mixed}[kind]
             candidates, work, args = build(count, length, dtype, device)
             plan = paged_attention_op.plan(*args)
-            tokens, width = (count, length) if kind == "decode" else (length, count)
+            tokens, width = (count, length) if kind.startswith("decode") else (length, count)
             for provider, timing in measure_all(candidates, device).items():
                 ours = provider == "hw_agnostic"
                 us = timing["time_us"]
