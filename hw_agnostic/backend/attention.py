@@ -865,7 +865,9 @@ def paging_changes(model: nn.Module, *, block_size: int = 16) -> tuple[list[Chan
 
 
 _CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
-_hooks: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+#: per hooked module: the caches whose slots its hook paged already, with their layer count then
+#: (the hook runs before every forward, a decode step's too: looking at every slot again costs per layer)
+_paged_caches: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakKeyDictionary[Any, int]]" = weakref.WeakKeyDictionary()
 
 
 def _install_pages_first(model: nn.Module) -> None:
@@ -878,13 +880,17 @@ def _install_pages_first(model: nn.Module) -> None:
     but not on the blocks of a layer stack (members of a ``ModuleList`` / ``ModuleDict``): they
     build no masks, their attention pages its slot when it writes, and a hook would cost every
     block call of every step PyTorch's slow call path.
+
+    The hook is one module-level function that finds the paged modules under the module it runs
+    on: a ``copy.deepcopy`` of the model (whose hooks are the same function) pages its own
+    modules, holds no reference to the original's, and :func:`disable_paged_attention` finds it.
     """
     paths = [path for path, m in model.named_modules() if isinstance(m, PagedAttention)]
     ancestors = {""} | {path.rsplit(".", depth)[0] for path in paths for depth in range(1, path.count(".") + 1)}
     stacks = (nn.ModuleList, nn.ModuleDict)
     for path in sorted(ancestors):
         module = model.get_submodule(path)
-        if module in _hooks:
+        if _page_slots_first in module._forward_pre_hooks.values():
             continue
         parent = model.get_submodule(path.rpartition(".")[0]) if path else None
         if isinstance(parent, stacks):
@@ -893,35 +899,49 @@ def _install_pages_first(model: nn.Module) -> None:
             names = inspect.signature(type(module).forward).parameters
         except (TypeError, ValueError):
             continue
-        if not any(name in names for name in _CACHE_ARGUMENTS):
-            continue
-        attention = [m for m in module.modules() if isinstance(m, PagedAttention)]
-        # caches whose slots this hook paged already, with their layer count then (the hook runs
-        # before every forward, a decode step's too: looking at every slot again costs per layer)
-        done: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+        if any(name in names for name in _CACHE_ARGUMENTS):
+            module.register_forward_pre_hook(_page_slots_first, with_kwargs=True)
 
-        def install(mod: nn.Module, args: tuple, kwargs: dict, attention: list = attention,
-                    done: "weakref.WeakKeyDictionary[Any, int]" = done) -> None:
-            cache = next((kwargs[n] for n in _CACHE_ARGUMENTS if kwargs.get(n) is not None), None)
-            if isinstance(cache, _cache_classes()[0]):
-                layers = getattr(cache, "layers", None)
-                count = len(layers) if isinstance(layers, list) else -1
-                try:
-                    if done.get(cache) == count:
-                        return
-                except TypeError:  # a cache that takes no weak reference: look every time
-                    pass
-                for layer in attention:
-                    index = getattr(layer, "layer_idx", None)
-                    if isinstance(layer, PagedAttention) and isinstance(index, int):
-                        paged_layer_of(cache, index, layer.block_size, layer.passes_window, layer.takes_static_pages)
-                layers = getattr(cache, "layers", None)
-                try:
-                    done[cache] = len(layers) if isinstance(layers, list) else -1
-                except TypeError:
-                    pass
 
-        _hooks[module] = module.register_forward_pre_hook(install, with_kwargs=True)
+def _page_slots_first(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    cache = next((kwargs[n] for n in _CACHE_ARGUMENTS if kwargs.get(n) is not None), None)
+    if not isinstance(cache, _cache_classes()[0]):
+        return
+    if torch.compiler.is_compiling():  # traced once: no bookkeeping for the graph's guards to read
+        _page_slots(module, cache)
+        return
+    done = _paged_caches.get(module)
+    if done is None:
+        done = _paged_caches[module] = weakref.WeakKeyDictionary()
+    layers = getattr(cache, "layers", None)
+    count = len(layers) if isinstance(layers, list) else -1
+    try:
+        if done.get(cache) == count:
+            return
+    except TypeError:  # a cache that takes no weak reference: look every time
+        pass
+    _page_slots(module, cache)
+    layers = getattr(cache, "layers", None)
+    try:
+        done[cache] = len(layers) if isinstance(layers, list) else -1
+    except TypeError:
+        pass
+
+
+def _page_slots(module: nn.Module, cache: Any) -> None:
+    for layer in module.modules():
+        index = getattr(layer, "layer_idx", None)
+        if isinstance(layer, PagedAttention) and isinstance(index, int):
+            paged_layer_of(cache, index, layer.block_size, layer.passes_window, layer.takes_static_pages)
+
+
+def _remove_pages_first(module: nn.Module) -> None:
+    """Remove :func:`_page_slots_first` from ``module``'s hooks (what its handle's ``remove`` does)."""
+    for hook_id, hook in list(module._forward_pre_hooks.items()):
+        if hook is _page_slots_first:
+            del module._forward_pre_hooks[hook_id]
+            module._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+    _paged_caches.pop(module, None)
 
 
 def enable_paged_attention(model: nn.Module, *, block_size: int = 16) -> list[str]:
@@ -945,7 +965,5 @@ def disable_paged_attention(model: nn.Module) -> list[str]:
         if isinstance(module, PagedAttention):
             getattr(type(module), "_hw_agnostic_release", PagedAttention.release)(module)
             restored.append(path)
-        handle = _hooks.pop(module, None)
-        if handle is not None:
-            handle.remove()
+        _remove_pages_first(module)
     return restored

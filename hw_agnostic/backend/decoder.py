@@ -73,7 +73,6 @@ def attention_call_refusal(attention: nn.Module, layout: DecoderLayout) -> str |
 def install_fused_forward(layer: nn.Module, layout: DecoderLayout, signature_defaults: dict[str, Any]) -> None:
     if layout.name not in FUSABLE:
         raise ValueError(f"layout {layout.name!r} has no fused forward")
-    original = type(layer).forward.__get__(layer)
     roles = dict(layout.roles)
     named = layout.attention_params
     hidden_param = layout.hidden_param
@@ -87,8 +86,8 @@ def install_fused_forward(layer: nn.Module, layout: DecoderLayout, signature_def
         return passed
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
-        if self.training:
-            return original(*args, **kwargs)
+        if self.training:  # the class's forward, on ``self``: a deep copy's training must run on the copy
+            return type(self).forward(self, *args, **kwargs)
         if hidden_param in kwargs:
             hidden, rest = kwargs.pop(hidden_param), args
         else:

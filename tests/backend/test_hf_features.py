@@ -9,6 +9,8 @@ the untouched original, and the results must agree.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from hw_agnostic import ops, rewire
-from hw_agnostic.backend.attention import PagedCacheLayer
+from hw_agnostic.backend.attention import PagedCacheLayer, disable_paged_attention
 from hw_agnostic.layers import GatedMLP, PagedAttention, QKVProjection, RMSNorm
 from hw_agnostic.tolerances import assert_close
 from tests.backend.models import FAMILIES, build, padded_prompt, prompt
@@ -115,6 +117,36 @@ def test_gradients_match_the_original(mode):
     assert set(got) == set(want)
     for name, grad in want.items():
         assert_close(got[name], grad.double())
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_a_deep_copy_computes_with_its_own_weights(family):
+    """``copy.deepcopy`` of a rewired model (TRL's reference model, an EMA copy) is a model of its
+    own in every mode: nothing the rewire installed keeps calling into the original's modules."""
+    model, reference = _pair(family)
+    copied, reference_copy = copy.deepcopy(model), copy.deepcopy(reference)
+    with torch.no_grad():
+        for m in (copied, reference_copy):
+            for p in m.parameters():
+                p.mul_(0.5)
+    ids = prompt()
+    for training in (False, True):
+        for m in (model, reference, copied, reference_copy):
+            m.train(training)
+        with torch.no_grad():
+            assert_close(copied(ids, use_cache=False).logits, reference_copy(ids, use_cache=False).logits.double())
+            assert_close(model(ids, use_cache=False).logits, reference(ids, use_cache=False).logits.double())
+    copied.eval(), reference_copy.eval()
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(copied.generate(ids, **options), reference_copy.generate(ids, **options))
+    # the copy holds nothing of the original: its attention modules go with it
+    original_attention = weakref.ref(model.model.layers[0].self_attn)
+    del model
+    gc.collect()
+    assert original_attention() is None
+    assert disable_paged_attention(copied)
+    assert not any(m._forward_pre_hooks for m in copied.modules())
 
 
 def test_inputs_that_need_gradients():
