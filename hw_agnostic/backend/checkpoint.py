@@ -8,7 +8,8 @@ renames carries the converters that describe it, and :func:`install_weight_conve
 them to the model's own: ``save_pretrained`` then splits the merged weights back into the
 original keys (as views; nothing is copied before writing), and plain ``from_pretrained`` loads
 the directory with no key missing. Patterns are the full module paths, so each converter matches
-exactly the module it was made for.
+exactly the module it was made for. The same converters let ``load_state_dict`` take a state dict
+with the original keys (:func:`take_original_keys`).
 """
 
 from __future__ import annotations
@@ -104,3 +105,76 @@ def install_weight_conversions(model: nn.Module, converters: list[Any]) -> None:
     """Append ``converters`` to what ``model.save_pretrained`` reverts (no-op for non-HF modules)."""
     if converters and hasattr(model, "save_pretrained"):
         model._weight_conversions = model_conversions(model) + list(converters)
+
+
+# --------------------------------------------------------------------------------------------
+# load_state_dict with the original keys
+
+#: on a rewired model: the converters of its merges and renames, which its ``load_state_dict`` applies
+_CONVERSIONS = "_hw_agnostic_checkpoint_conversions"
+_TAKES_ORIGINAL_KEYS = "_hw_agnostic_takes_original_keys"
+
+
+def take_original_keys(model: nn.Module, converters: list[Any]) -> None:
+    """Let ``model.load_state_dict`` take a state dict with the original model's keys too.
+
+    A state dict saved from the model before it was rewired (``torch.save(model.state_dict())``
+    in a training script, an EMA copy) has the checkpoint's keys. A pre-hook applies the rewire's
+    converters to the incoming keys (``load_state_dict`` works on its own copy of the dict): parts
+    of a merged weight are concatenated where every part is there and the merged key is not, and
+    renamed keys take their new names. A converter whose merged or renamed module is no longer in
+    the model (a change undone after) is skipped; whatever else is missing or unexpected is
+    reported as ``load_state_dict`` always reports it. The model's own ``state_dict`` keeps its keys.
+    """
+    if not converters:
+        return
+    model.__dict__[_CONVERSIONS] = [*model.__dict__.get(_CONVERSIONS, ()), *converters]
+    if not model.__dict__.get(_TAKES_ORIGINAL_KEYS):
+        model.register_load_state_dict_pre_hook(_convert_original_keys)
+        model.__dict__[_TAKES_ORIGINAL_KEYS] = True
+
+
+def _convert_original_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """Apply the converters to ``state_dict``'s keys under ``prefix``. Their patterns are module paths
+    from the model (a rewire's changes) or from any depth in it (the construction path's class-wide
+    mapping, e.g. ``mlp.gate_proj.weight``); either way they match at a path boundary."""
+    from transformers.core_model_loading import WeightRenaming
+
+    for converter in module.__dict__.get(_CONVERSIONS, ()):
+        sources, target = converter.source_patterns, converter.target_patterns[0]
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            local = key[len(prefix):]
+            if isinstance(converter, WeightRenaming):
+                at = _boundary(local, sources[0])
+                if at is None or not _holds(module, (local[:at] + target).rstrip("."), submodule=True):
+                    continue
+                renamed = prefix + local[:at] + target + local[at + len(sources[0]):]
+                if renamed not in state_dict:
+                    state_dict[renamed] = state_dict.pop(key)
+                continue
+            base = local[:-len(sources[0])]
+            if not local.endswith(sources[0]) or base and not base.endswith("."):
+                continue
+            parts = [prefix + base + source for source in sources]
+            if (prefix + base + target not in state_dict and all(part in state_dict for part in parts)
+                    and _holds(module, base + target, submodule=False)):
+                state_dict[prefix + base + target] = torch.cat([state_dict.pop(part) for part in parts],
+                                                               dim=converter.operations[0].dim)
+
+
+def _boundary(path: str, pattern: str) -> int | None:
+    """Where ``pattern`` first starts in ``path`` at a path boundary (None: nowhere)."""
+    if path.startswith(pattern):
+        return 0
+    at = path.find("." + pattern)
+    return None if at < 0 else at + 1
+
+
+def _holds(module: nn.Module, path: str, *, submodule: bool) -> bool:
+    for get in (module.get_submodule,) if submodule else (module.get_parameter, module.get_buffer):
+        try:
+            get(path)
+            return True
+        except AttributeError:
+            pass
+    return False

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..layers import resolve
+from . import checkpoint
 from .detect import MLPSpec, detect_gated_mlp
 from .detect_norms import NormSpec, detect_rms_norm
 from .report import RewireReport
@@ -66,6 +67,7 @@ class _Patches:
     def __init__(self) -> None:
         self.classes: dict[str, type[nn.Module]] = {}  # HF class name -> adapter
         self.notes: list[tuple[str, str]] = []  # (HF class name, what was decided)
+        self.converters: list[Any] = []  # the checkpoint conversions of the layers built
 
 
 def _hf_model_class(config: Any, model_class: Any) -> type:
@@ -100,6 +102,7 @@ def prepare(config: Any, model_class: Any = None) -> tuple[type, _Patches]:
             patches.classes[cls.__name__] = _mlp_adapter(cls, mlps[0])
             patches.notes.append((cls.__name__, f"{resolve('gated_mlp').__name__} ({mlps[0].activation})"))
             converters += _mlp_converters(instances, mlps[0])
+    patches.converters = converters
     return _hw_model_class(hf_class, config, converters), patches
 
 
@@ -244,4 +247,6 @@ def _materialized_swap(parent: nn.Module, name: str, layer: nn.Module, original:
 
 
 def _finish(model: nn.Module, patches: _Patches) -> RewireReport:
-    return rewire(model, merge_qkv=False, changes=construction_changes(model))
+    report = rewire(model, merge_qkv=False, changes=construction_changes(model))
+    checkpoint.take_original_keys(model, patches.converters)
+    return report

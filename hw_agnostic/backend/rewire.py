@@ -143,7 +143,8 @@ def rewire(
 
 def finish(model: nn.Module, made: list[Change], report: RewireReport,
            verification: Verification | None) -> None:
-    """Report what stands, make ``save_pretrained`` write the original keys, release the originals."""
+    """Report what stands, make ``save_pretrained`` write the original keys and ``load_state_dict`` take them,
+    release the originals."""
     converters: list[Any] = []
     for change in made:
         if change.active:
@@ -151,6 +152,7 @@ def finish(model: nn.Module, made: list[Change], report: RewireReport,
                        change.result, change.detail)
             converters += change.converters
     checkpoint.install_weight_conversions(model, converters)
+    checkpoint.take_original_keys(model, converters)
     if verification is None or verification.done:
         for change in made:
             change.release()

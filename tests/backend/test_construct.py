@@ -47,6 +47,13 @@ def test_save_pretrained_round_trips_to_the_original_keys(family, tmp_path):
     again, _ = hw_agnostic.from_pretrained(saved)
     with torch.no_grad():
         assert torch.equal(again.eval()(ids).logits, model(ids).logits)
+    # a state dict with the original keys (the HF model's, halved) loads into the constructed model
+    with torch.no_grad():
+        halved = {key: value * 0.5 for key, value in hf.state_dict().items()}
+    assert not model.load_state_dict(halved).missing_keys
+    hf.load_state_dict(halved)
+    with torch.no_grad():
+        assert ((model(ids).logits - hf(ids).logits).norm() / hf(ids).logits.norm()).item() <= 1e-5
 
 
 def test_from_config_builds_our_layers_and_leaves_transformers_unpatched():
