@@ -98,7 +98,7 @@ def paged_attention_forward(
     state = module.__dict__.get(_STATE)
     batch: Optional[PagedBatch | TransientPages] = None
     if state is not None:
-        batch, state.pending = state.pending, None
+        batch = state.take()
     if isinstance(batch, TransientPages):
         batch = batch.page(key, value, real_tokens(batch.attention_mask, key.shape[2]))
     if batch is None:
@@ -596,7 +596,7 @@ class _StoreBinding:
             state.kv = paged.store
         if self.fallback or state.unservable is not None:
             return paged.read_with(key_states, value_states)
-        state.pending = batch
+        state.hand(batch)
         return key_states, value_states
 
     def __getattr__(self, name: str) -> Any:
@@ -647,7 +647,7 @@ class _ContinuousBatchingBinding:
             if batch is None:
                 batch = self._windowed(layer_idx, key_states, value_states, cu_q, max_q, kwargs)
         batch.key_states, batch.value_states = key_states, value_states
-        self.layer.__dict__[_STATE].pending = batch
+        self.layer.__dict__[_STATE].hand(batch)
         return key_states, value_states
 
     def _paged(self, share: StepShare, allocator: Any, layer_idx: int, key_states: Tensor, value_states: Tensor,

@@ -216,7 +216,7 @@ class _OwnCodeBinding:
                 raise RuntimeError(f"{type(self.layer).__name__}: no paged cache layer to read back from")
             return paged.read_with(key_states, value_states)
         keys, values = self.inner.update(key_states, value_states, layer_idx, *args, **kwargs)
-        batch, state.pending = state.pending, None
+        batch = state.take()
         paged = self._paged_layer(layer_idx)
         if paged is None or paged.store is None:
             return keys, values  # a slot pages cannot hold: the cache's own K/V

@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import threading
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -572,9 +573,10 @@ class _PagedState:
     # gets its window from the cache evicting old tokens, which a paged view does not do.
     passes_window: bool
     kv: Optional[PagedKVCache] = None  # this layer's own paged view, for plain (non-batching) caches
-    # What the binding hands the attention function for the call in progress: the paged batch,
-    # the transient pages of a forward without a cache, or None (the module's own attention).
-    pending: Any = None
+    # What the binding hands the attention function for the call in progress, per thread (one
+    # model may serve several threads at once): the paged batch, the transient pages of a forward
+    # without a cache, or nothing (the module's own attention). See hand() and take().
+    handed: dict[int, Any] = dataclasses.field(default_factory=dict)
     base_forward: Optional[Callable[..., Any]] = None  # the module's own class's forward
     cache_names: tuple[str, ...] = ()  # every name a cache may arrive under
     # Why the kernel cannot serve this module (its masks are not causal ones), once seen: from
@@ -586,6 +588,22 @@ class _PagedState:
 
     def __post_init__(self) -> None:
         self.cache_names = tuple(dict.fromkeys((*_CACHE_NAMES, self.cache_name)))
+
+    def hand(self, batch: Any) -> None:
+        """Leave ``batch`` for this thread's next :meth:`take` (None: nothing)."""
+        if batch is None:
+            self.handed.pop(_thread(), None)
+        else:
+            self.handed[_thread()] = batch
+
+    def take(self) -> Any:
+        """What this thread's binding handed over for the call in progress (None: nothing), taken."""
+        return self.handed.pop(_thread(), None)
+
+
+def _thread() -> int:
+    # A traced graph is one thread's: no builtin call for Dynamo to break on.
+    return 0 if torch.compiler.is_compiling() else threading.get_ident()
 
 
 def _call_shape(forward: Callable[..., Any]) -> tuple[tuple[str, ...], str, bool]:
@@ -716,12 +734,12 @@ class PagedAttention(PluggableLayer):
                 value = arguments.pop(name)
                 cache = value if cache is None else cache
         fallback = self.needs_fallback(arguments.get("hidden_states"))
-        state.pending = None
+        state.hand(None)
         if cache is None:
             # No cache: the module's cache code must not run, so its K/V reach the attention
             # function directly, which pages them for this one forward.
             if not fallback and state.unservable is None:
-                state.pending = TransientPages(state.block_size, arguments.get("attention_mask"))
+                state.hand(TransientPages(state.block_size, arguments.get("attention_mask")))
         else:
             arguments[state.cache_name] = state.bind_cache(self, cache, arguments.get("attention_mask"), fallback)
         return state.base_forward(self, **arguments)

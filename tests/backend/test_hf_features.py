@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import threading
 import weakref
 
 import pytest
@@ -147,6 +148,51 @@ def test_a_deep_copy_computes_with_its_own_weights(family):
     assert original_attention() is None
     assert disable_paged_attention(copied)
     assert not any(m._forward_pre_hooks for m in copied.modules())
+
+
+def test_threads_sharing_a_model_attend_over_their_own_caches(monkeypatch):
+    """One rewired model decoding in two threads (qwen3: its attention's forward runs, the binding
+    hands each step's paged batch to the attention function): a thread paused between its cache
+    write and its attention call, while the other runs a whole step, still attends over its own pages."""
+    from hw_agnostic.backend import attention
+
+    model, reference = _pair("qwen3")
+    prompts = {"A": prompt(length=7, seed=1), "B": prompt(length=5, seed=2)}
+    tokens = {"A": prompt(length=1, seed=3), "B": prompt(length=1, seed=4)}
+    caches, want = {}, {}
+    with torch.no_grad():
+        for name, ids in prompts.items():
+            caches[name] = DynamicCache(config=model.config)
+            model(ids, past_key_values=caches[name])
+            theirs = DynamicCache(config=reference.config)
+            reference(ids, past_key_values=theirs)
+            want[name] = reference(tokens[name], past_key_values=theirs).logits
+    a_wrote, b_done = threading.Event(), threading.Event()
+    update = attention._StoreBinding.update
+
+    def pausing_update(self, *args, **kwargs):
+        result = update(self, *args, **kwargs)
+        if threading.current_thread().name == "A" and not a_wrote.is_set():
+            a_wrote.set()
+            assert b_done.wait(30)
+        return result
+
+    monkeypatch.setattr(attention._StoreBinding, "update", pausing_update)
+    got = {}
+
+    def step(name):
+        with torch.no_grad():
+            got[name] = model(tokens[name], past_key_values=caches[name]).logits
+        if name == "B":
+            b_done.set()
+
+    a = threading.Thread(target=step, args=("A",), name="A")
+    a.start()
+    assert a_wrote.wait(30)
+    step("B")
+    a.join()
+    for name in prompts:
+        assert_close(got[name], want[name].double())
 
 
 def test_inputs_that_need_gradients():
