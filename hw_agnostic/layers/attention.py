@@ -601,9 +601,11 @@ class _PagedState:
         return self.handed.pop(_thread(), None)
 
 
+@torch.compiler.assume_constant_result
 def _thread() -> int:
-    # A traced graph is one thread's: no builtin call for Dynamo to break on.
-    return 0 if torch.compiler.is_compiling() else threading.get_ident()
+    # A traced forward hands and takes within itself, so Dynamo may fold the id into a constant.
+    # Not ``torch.compiler.is_compiling()``: one thread's compile makes it true in every thread.
+    return threading.get_ident()
 
 
 def _call_shape(forward: Callable[..., Any]) -> tuple[tuple[str, ...], str, bool]:

@@ -142,8 +142,9 @@ def test_rewire_twice_changes_nothing_more():
     assert not again.replaced and not again.fused
 
 
-def test_torch_compile_fullgraph_of_a_rewired_model():
-    model = build("llama")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: its attention's own forward runs
+def test_torch_compile_fullgraph_of_a_rewired_model(family):
+    model = build(family)
     reference = copy.deepcopy(model)
     rewire(model)
     ids = prompt()
@@ -155,13 +156,14 @@ def test_torch_compile_fullgraph_of_a_rewired_model():
     assert _relative(got, want) <= 1e-5
 
 
-def test_torch_compile_fullgraph_of_a_rewired_decode_step():
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_torch_compile_fullgraph_of_a_rewired_decode_step(family):
     """Decode steps over a paged cache trace as one graph: the cache's host bookkeeping (lengths
     seen, the metadata its layers share) is plain Python state that dynamo follows, also in the
     step whose K/V need a new block (the prompt fills the first block but one slot)."""
     from transformers import DynamicCache
 
-    model = build("llama")
+    model = build(family)
     reference = copy.deepcopy(model)
     rewire(model)
     ours, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
