@@ -115,6 +115,10 @@ def attend_paged(module: nn.Module, state: Any, batch: PagedBatch, query: Tensor
     if why is not None:
         return _own_attention_instead(module, state, batch, why, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
+    why = _unmasked_padding(batch.store) if attention_mask is None and batch.store is not None else None
+    if why is not None:  # this call's doing, not the model's: the next call may take the kernel again
+        return _own_attention_instead(module, state, batch, why, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, lasting=False, **kwargs)
     order = None
     if key is not batch.key_states or value is not batch.value_states:
         order = _expanded_heads(module, query, key, value, batch)
@@ -187,6 +191,19 @@ def _mask_refusal(batch: PagedBatch, mask: Any, q_len: int, window: Optional[int
             "kernel does not read")
 
 
+def _unmasked_padding(store: PagedKVCache) -> Optional[str]:
+    """Why a step without a mask cannot run on the kernel: its cache holds padding (an earlier step's
+    mask hid it), which the module's own attention attends to without a mask and the kernel hides."""
+    if store.real is None or torch.compiler.is_compiling() or (
+            store.real.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    state = ("static", store.positions()) if store.static else (store.real, store.seen)
+    padded = store.share.once(("unmasked padding", *state),
+                              lambda: not bool(store.real[:, :store.positions()].all()), versioned=True)
+    return ("is given no attention mask over cached padding (an earlier step's mask hid it), which its own attention "
+            "attends to and the paged kernel hides") if padded else None
+
+
 def _is_the_kernels_mask(mask: Tensor, store: PagedKVCache, q_len: int, window: Optional[int]) -> bool:
     bias, seen, real = _additive(mask), store.positions(), store.real
     if store.static:  # its map spans the capacity (an eager step: this check is not made while compiling)
@@ -206,21 +223,27 @@ def _additive(mask: Tensor) -> Tensor:
 
 
 def _own_attention_instead(module: nn.Module, state: Any, batch: PagedBatch, why: str, query: Tensor, key: Tensor,
-                           value: Tensor, attention_mask: Tensor, **kwargs: Any) -> tuple[Tensor, Any]:
+                           value: Tensor, attention_mask: Optional[Tensor], *, lasting: bool = True,
+                           **kwargs: Any) -> tuple[Tensor, Any]:
     """The module's own attention over every position's K/V, for a mask the kernel does not read.
 
     While verification runs this raises (the change is undone, with ``why`` in the report); after
     it, the module runs its own attention from now on (its binding writes every token to the pages,
-    since padding cannot be read from such a mask, and reads them back).
+    since padding cannot be read from such a mask, and reads them back). ``lasting=False``: for
+    this call alone (what the call was given, not what the model makes), warned about once.
     """
     message = f"{type(module).__name__} {why}"
     holder = module.__dict__.get(_STRICTNESS)
-    if holder is not None and holder.strict:
+    if lasting and holder is not None and holder.strict:
         raise UnservableMask(message)
     if key is not batch.key_states or value is not batch.value_states:
         raise UnservableMask(f"{message}; it also changes K/V after storing them, so its own attention cannot be "
                              "run over the pages either")
-    if state.unservable is None:
+    if not lasting:
+        if message not in state.warned:
+            log.warning("hw_agnostic: %s; such calls run its own attention over K/V read back from the pages", message)
+            state.warned.add(message)
+    elif state.unservable is None:
         log.warning("hw_agnostic: %s; it runs its own attention over K/V read back from the pages", message)
         state.unservable = message
     store = batch.store

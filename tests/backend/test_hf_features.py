@@ -195,6 +195,28 @@ def test_threads_sharing_a_model_attend_over_their_own_caches(monkeypatch):
         assert_close(got[name], want[name].double())
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_step_without_a_mask_over_cached_padding_attends_to_it_as_the_original(family, caplog):
+    """A padded prompt, then a step whose all-ones mask reaches attention as no mask: the original
+    attends to the padding's K/V too, so that call runs the module's own attention over the pages
+    (the kernel hides padding); the next step, with the padding masked again, runs the kernel."""
+    model, reference = _pair(family)
+    ids, mask = padded_prompt()
+    ours, theirs = DynamicCache(config=model.config), DynamicCache(config=reference.config)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=ours)
+        reference(ids, attention_mask=mask, past_key_values=theirs)
+        for step, unmasked in enumerate((True, False)):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+            given = torch.ones_like(mask) if unmasked else mask
+            token = prompt(batch=2, length=1, seed=30 + step)
+            with ops.trace_dispatch() as ran:
+                got = model(token, attention_mask=given, past_key_values=ours).logits
+            assert_close(got, reference(token, attention_mask=given, past_key_values=theirs).logits.double())
+            assert _ran(ran, "paged_attention") != unmasked
+    assert "no attention mask over cached padding" in caplog.text
+
+
 def test_inputs_that_need_gradients():
     model, reference = _pair("llama")
     model.enable_input_require_grads()
