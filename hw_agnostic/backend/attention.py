@@ -111,14 +111,12 @@ def attend_paged(module: nn.Module, state: Any, batch: PagedBatch, query: Tensor
                  kwargs: dict[str, Any]) -> tuple[Tensor, Any]:
     """The attention function's work once the step is in the pages: ``paged_attention`` over ``batch``
     (the module's own attention for a mask the kernel does not read)."""
+    if attention_mask is None and batch.store is not None and _sees_lost_padding(None, batch.store, query.shape[2]):
+        raise _refuse_lost_padding(module, batch.store, query.shape[2])
     why = _mask_refusal(batch, attention_mask, query.shape[2], kwargs.get("sliding_window"))
     if why is not None:
         return _own_attention_instead(module, state, batch, why, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
-    why = _unmasked_padding(batch.store) if attention_mask is None and batch.store is not None else None
-    if why is not None:  # this call's doing, not the model's: the next call may take the kernel again
-        return _own_attention_instead(module, state, batch, why, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, lasting=False, **kwargs)
     order = None
     if key is not batch.key_states or value is not batch.value_states:
         order = _expanded_heads(module, query, key, value, batch)
@@ -191,31 +189,48 @@ def _mask_refusal(batch: PagedBatch, mask: Any, q_len: int, window: Optional[int
             "kernel does not read")
 
 
-def _unmasked_padding(store: PagedKVCache) -> Optional[str]:
-    """Why a step without a mask cannot run on the kernel: its cache holds padding (an earlier step's
-    mask hid it), which the module's own attention attends to without a mask and the kernel hides."""
-    if store.real is None or torch.compiler.is_compiling() or (
-            store.real.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return None
-    state = ("static", store.positions()) if store.static else (store.real, store.seen)
-    padded = store.share.once(("unmasked padding", *state),
-                              lambda: not bool(store.real[:, :store.positions()].all()), versioned=True)
-    return ("is given no attention mask over cached padding (an earlier step's mask hid it), which its own attention "
-            "attends to and the paged kernel hides") if padded else None
-
-
 def _is_the_kernels_mask(mask: Tensor, store: PagedKVCache, q_len: int, window: Optional[int]) -> bool:
-    bias, seen, real = _additive(mask), store.positions(), store.real
+    seen, real = store.positions(), store.real
     if store.static:  # its map spans the capacity (an eager step: this check is not made while compiling)
         real = real[:, :seen]
-    width = bias.shape[-1]
-    if width > seen:  # columns past the positions seen (a static cache's capacity) must hide their keys
-        if not bool((bias[..., seen:] <= HIDDEN).all()):
-            return False
-        bias = bias[..., :seen]
-    elif width < seen:  # a sliding window's mask may span only the last positions
-        bias = torch.nn.functional.pad(bias, (seen - width, 0), value=float("-inf"))
-    return _masks_agree([(bias, 1.0)], real, seen, q_len, store.batch_size, mask.device, window)
+    bias = _over_positions(mask, seen)
+    if not bool((bias[..., seen:] <= HIDDEN).all()):  # past the positions seen (a static cache's capacity)
+        return False
+    return _masks_agree([(bias[..., :seen], 1.0)], real, seen, q_len, store.batch_size, mask.device, window)
+
+
+def _over_positions(mask: Tensor, seen: int) -> Tensor:
+    """The additive ``mask`` with its columns at positions 0, 1, ...: a sliding window's mask may
+    span only the last ``seen`` positions (the earlier ones hidden), a static cache's its capacity."""
+    bias, width = _additive(mask), mask.shape[-1]
+    return torch.nn.functional.pad(bias, (seen - width, 0), value=float("-inf")) if width < seen else bias
+
+
+def _sees_lost_padding(mask: Optional[Tensor], store: Optional[PagedKVCache], q_len: int) -> bool:
+    """Whether a real query of the step (already written to ``store``) sees, under ``mask`` (None:
+    every key), a position an earlier step wrote as padding: the pages keep no K/V for it. A host sync,
+    made only where the step cannot take the kernel or was given no mask over a cache with padding."""
+    if store is None or store.real is None or torch.compiler.is_compiling() or (
+            store.real.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return False
+    seen = store.positions()
+    past = seen - q_len
+    real = store.real[:, :seen]
+    lost = ~real[:, :past]  # [B, past]
+    if not bool(lost.any()):
+        return False
+    visible = True if mask is None else _over_positions(mask, seen)[..., :past] > HIDDEN  # [B, H, q, past]
+    return bool((lost[:, None, None, :] & real[:, None, past:, None] & visible).any())
+
+
+def _refuse_lost_padding(module: nn.Module, store: PagedKVCache, q_len: int) -> ValueError:
+    """The error for a step that sees lost padding, once the step this layer wrote is forgotten (the
+    layers after it wrote nothing): the cache is as it was before the call."""
+    store.crop(q_len)
+    return ValueError(
+        f"attention_mask: {type(module).__name__} is asked to attend to cached positions that were padding when "
+        "their step was written (no mask, or a mask that shows them), and a paged cache keeps no K/V for padding; "
+        "pass the mask the cache was written with (its padding hidden), or rewire with attention=False")
 
 
 def _additive(mask: Tensor) -> Tensor:
@@ -223,27 +238,23 @@ def _additive(mask: Tensor) -> Tensor:
 
 
 def _own_attention_instead(module: nn.Module, state: Any, batch: PagedBatch, why: str, query: Tensor, key: Tensor,
-                           value: Tensor, attention_mask: Optional[Tensor], *, lasting: bool = True,
-                           **kwargs: Any) -> tuple[Tensor, Any]:
+                           value: Tensor, attention_mask: Tensor, **kwargs: Any) -> tuple[Tensor, Any]:
     """The module's own attention over every position's K/V, for a mask the kernel does not read.
 
     While verification runs this raises (the change is undone, with ``why`` in the report); after
     it, the module runs its own attention from now on (its binding writes every token to the pages,
-    since padding cannot be read from such a mask, and reads them back). ``lasting=False``: for
-    this call alone (what the call was given, not what the model makes), warned about once.
+    since padding cannot be read from such a mask, and reads them back).
     """
     message = f"{type(module).__name__} {why}"
     holder = module.__dict__.get(_STRICTNESS)
-    if lasting and holder is not None and holder.strict:
+    if holder is not None and holder.strict:
         raise UnservableMask(message)
     if key is not batch.key_states or value is not batch.value_states:
         raise UnservableMask(f"{message}; it also changes K/V after storing them, so its own attention cannot be "
                              "run over the pages either")
-    if not lasting:
-        if message not in state.warned:
-            log.warning("hw_agnostic: %s; such calls run its own attention over K/V read back from the pages", message)
-            state.warned.add(message)
-    elif state.unservable is None:
+    if _sees_lost_padding(attention_mask, batch.store, query.shape[2]):
+        raise _refuse_lost_padding(module, batch.store, query.shape[2])
+    if state.unservable is None:
         log.warning("hw_agnostic: %s; it runs its own attention over K/V read back from the pages", message)
         state.unservable = message
     store = batch.store

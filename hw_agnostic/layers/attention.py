@@ -585,7 +585,6 @@ class _PagedState:
     # ``direct(module, arguments)``: what the module's forward returns for the call, computed
     # without running it, or NotImplemented (see hw_agnostic.backend.attention_direct)
     direct: Optional[Callable[[nn.Module, dict[str, Any]], Any]] = None
-    warned: set[str] = dataclasses.field(default_factory=set)  # what was logged about single calls
 
     def __post_init__(self) -> None:
         self.cache_names = tuple(dict.fromkeys((*_CACHE_NAMES, self.cache_name)))

@@ -195,26 +195,38 @@ def test_threads_sharing_a_model_attend_over_their_own_caches(monkeypatch):
         assert_close(got[name], want[name].double())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_a_step_without_a_mask_over_cached_padding_attends_to_it_as_the_original(family, caplog):
-    """A padded prompt, then a step whose all-ones mask reaches attention as no mask: the original
-    attends to the padding's K/V too, so that call runs the module's own attention over the pages
-    (the kernel hides padding); the next step, with the padding masked again, runs the kernel."""
-    model, reference = _pair(family)
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_a_step_shown_cached_padding_is_refused_naming_the_mask(family):
+    """A paged cache keeps no K/V for padding, which the original attends to when a later step's mask
+    shows it (an all-ones mask reaches attention as no mask; a 4-D one that hides another token
+    instead): a clear error, not other logits. The mask the cache was written with still serves,
+    and so does one hiding more tokens."""
+    model = build(family)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[0].normal_()  # the pad token's K/V are not zero
+    reference = copy.deepcopy(model)
+    rewire(model)
     ids, mask = padded_prompt()
     ours, theirs = DynamicCache(config=model.config), DynamicCache(config=reference.config)
     with torch.no_grad():
         model(ids, attention_mask=mask, past_key_values=ours)
         reference(ids, attention_mask=mask, past_key_values=theirs)
-        for step, unmasked in enumerate((True, False)):
-            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
-            given = torch.ones_like(mask) if unmasked else mask
-            token = prompt(batch=2, length=1, seed=30 + step)
-            with ops.trace_dispatch() as ran:
-                got = model(token, attention_mask=given, past_key_values=ours).logits
-            assert_close(got, reference(token, attention_mask=given, past_key_values=theirs).logits.double())
-            assert _ran(ran, "paged_attention") != unmasked
-    assert "no attention mask over cached padding" in caplog.text
+        mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+        token = prompt(batch=2, length=1, seed=30)
+        shown = torch.ones_like(mask)
+        other = shown.clone()
+        other[0, 5] = 0
+        for given in (shown, other):
+            with pytest.raises(ValueError, match="attention_mask: .* padding"):
+                model(token, attention_mask=given, past_key_values=ours)
+        assert ours.get_seq_length() == theirs.get_seq_length()  # the refused step left the cache as it was
+        fewer = mask.clone()
+        fewer[1, 6] = 0
+        for given in (mask, fewer):
+            assert_close(model(token, attention_mask=given, past_key_values=copy.deepcopy(ours)).logits,
+                         reference(token, attention_mask=given, past_key_values=copy.deepcopy(theirs)).logits.double())
+        assert_close(model(token, attention_mask=mask, past_key_values=ours).logits,
+                     reference(token, attention_mask=mask, past_key_values=theirs).logits.double())
 
 
 def test_inputs_that_need_gradients():
