@@ -69,6 +69,7 @@ from ..layers.attention import (
     _STATE, PagedAttention, PagedBatch, PagedKVCache, StepShare, TransientPages, attend,
 )
 from ..layers.base import resolve
+from ..ops import checks
 from ..ops.write_kv_cache import write_kv_cache
 from .changes import Change
 from .kv_flow import kv_flow
@@ -841,6 +842,7 @@ def paging_changes(model: nn.Module, *, block_size: int = 16) -> tuple[list[Chan
     """
     from .attention_direct import direct_path_for
 
+    checks.integer("paged attention", "block_size", block_size, minimum=1)
     register_attention_function()
     layer_class = resolve("paged_attention")
     changes: list[Change] = []

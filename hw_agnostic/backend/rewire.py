@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from ..layers import CustomOp, LayerNorm, Linear, PagedAttention, PluggableLayer, RMSNorm, resolve
+from ..ops import checks
 from ..tolerances import mismatch
 from . import checkpoint
 from .attention import paging_changes
@@ -122,6 +123,14 @@ def rewire(
             ``model(input_ids=...)`` call.
         changes: changes already made to ``model`` (the construction-time path), verified with the rest.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"rewire: model must be a torch.nn.Module, got {type(model).__name__}")
+    switches = dict(merge_qkv=merge_qkv, attention=attention, rotary=rotary, fuse=fuse, experts=experts,
+                    linears=linears, verify=verify, verbose=verbose)
+    for name, value in switches.items():
+        checks.flag("rewire", name, value)
+    if probe is not None and not callable(probe):
+        raise TypeError(f"rewire: probe must be a callable running one forward of the model, got {type(probe).__name__}")
     report = RewireReport()
     prior = list(changes or [])
     verification = Verification(model, prior) if verify else None

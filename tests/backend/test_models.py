@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hw_agnostic import ops, rewire
+from hw_agnostic.backend import enable_paged_attention
 from hw_agnostic.layers import GatedMLP, GatedRMSNorm, LayerNorm, QKVProjection, RMSNorm
 from hw_agnostic.tolerances import assert_close
 from tests.backend.models import EXPECTED, FAMILIES, build, prompt
@@ -216,3 +217,19 @@ def test_an_mlp_with_dropout_is_replaced_in_eval_and_drops_out_in_training():
     x = torch.randn(4, 64, model.config.hidden_size)
     with torch.no_grad():
         assert (mlps[0](x) == 0).float().mean() > 0.05  # training drops out as the original does
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda model: rewire(None), "rewire: model must be a torch.nn.Module, got NoneType"),
+    (lambda model: rewire(model, attention="yes"), "rewire: attention must be a bool, got str"),
+    (lambda model: rewire(model, verify=1), "rewire: verify must be a bool, got int"),
+    (lambda model: rewire(model, probe="forward"), "rewire: probe must be a callable"),
+    (lambda model: enable_paged_attention(model, block_size=0), "block_size must be >= 1, got 0"),
+    (lambda model: enable_paged_attention(model, block_size=2.5), "block_size must be an int, got float"),
+], ids=["model", "switch", "verify", "probe", "block-size", "block-size-type"])
+def test_bad_arguments_are_named_and_leave_the_model_as_it_was(call, message):
+    model = build("llama")
+    classes = [type(m) for m in model.modules()]
+    with pytest.raises((TypeError, ValueError), match=message):
+        call(model)
+    assert [type(m) for m in model.modules()] == classes
