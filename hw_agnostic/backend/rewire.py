@@ -130,7 +130,8 @@ def rewire(
     for name, value in switches.items():
         checks.flag("rewire", name, value)
     if probe is not None and not callable(probe):
-        raise TypeError(f"rewire: probe must be a callable running one forward of the model, got {type(probe).__name__}")
+        raise TypeError(f"rewire: probe must be a callable running one forward of the model, "
+                        f"got {type(probe).__name__}")
     report = RewireReport()
     prior = list(changes or [])
     verification = Verification(model, prior) if verify else None
