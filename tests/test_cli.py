@@ -129,7 +129,7 @@ def test_doctor_reports_what_a_bug_report_needs(capsys, monkeypatch):
     assert "platform         " in out and "interpreter      " in out
     for op in ("rms_norm", "silu_and_mul", "paged_attention", "fused_experts"):
         assert f"\n{op}" in out
-    assert "  cpu: runs " in out
+    assert "  cpu: runs " in out and "<lambda>" not in out  # each CPU path says what it runs
     assert "[forced: reference (HW_AGNOSTIC_PROVIDER for rms_norm)]" in out
     assert "HW_AGNOSTIC_PROVIDER           rms_norm=reference" in out and "HW_AGNOSTIC_CACHE_DIR" in out
     assert "hf_secret" not in out  # never print credentials

@@ -451,7 +451,7 @@ fused_add_layer_norm_inplace_op = Op(
     providers=[_helion(lambda k, c, a: _build_fused(k, c, a, inplace=True), kernels.FUSED_ADD_LAYER_NORM,
                        _fused_tuning_key)],
     mutates_args=("x", "residual"), example_inputs=_example_fused,
-    compiled_reference=lambda name, reference: CompiledAddThenNormalise(name, _normalise_into, lean=True),
+    compiled_reference=CompiledAddThenNormalise.lean_over(_normalise_into),
     native=_native("add_inplace"),
 )
 

@@ -117,6 +117,16 @@ class CompiledAddThenNormalise:
         self.add_into = CompiledReference(op_name, _add_into, lean=lean)
         self.normalise_into = CompiledReference(op_name, normalise_into, lean=lean)
 
+    @classmethod
+    def lean_over(cls, normalise_into: Callable[..., None]) -> Callable[[str, object], "CompiledAddThenNormalise"]:
+        """The op's ``compiled_reference`` factory: a lean instance over ``normalise_into``."""
+
+        def factory(op_name: str, reference: object) -> CompiledAddThenNormalise:
+            return cls(op_name, normalise_into, lean=True)
+
+        factory.__doc__ = cls.__doc__  # what ``hw-agnostic doctor`` says the CPU path runs
+        return factory
+
     def __call__(self, x: Tensor, residual: Tensor, *rest: object) -> None:
         if _compiles_add(x, residual):
             self.add_into(residual, x)
@@ -402,7 +412,7 @@ fused_add_rms_norm_inplace_op = Op(
     key=fused_add_rms_norm_key,
     providers=[_helion(lambda k, c, a: _build_fused(k, c, a, inplace=True), kernels.FUSED_ADD_RMS_NORM)],
     mutates_args=("x", "residual"), example_inputs=_example_fused,
-    compiled_reference=lambda name, reference: CompiledAddThenNormalise(name, _normalise_into, lean=True),
+    compiled_reference=CompiledAddThenNormalise.lean_over(_normalise_into),
     native=_native("add_inplace"),
 )
 
