@@ -99,6 +99,29 @@ class PluggableLayer(_Registered):
     """A composed layer that a plugin can replace whole."""
 
 
+class EpsAliases:
+    """A norm's ``eps`` under the names Hugging Face's norms give it, which code around a norm reads
+    (Mamba-2 mixers pass ``self.norm.variance_epsilon`` to their fused training kernel)."""
+
+    eps: float
+
+    @property
+    def variance_epsilon(self) -> float:
+        return self.eps
+
+    @variance_epsilon.setter
+    def variance_epsilon(self, value: float) -> None:
+        self.eps = float(value)
+
+    @property
+    def epsilon(self) -> float:
+        return self.eps
+
+    @epsilon.setter
+    def epsilon(self, value: float) -> None:
+        self.eps = float(value)
+
+
 def resolve(layer: str | type[nn.Module]) -> type[nn.Module]:
     """The class built for a registered layer: the plugin's replacement if one is registered."""
     name = layer if isinstance(layer, str) else layer.__dict__.get("layer_name")

@@ -9,12 +9,12 @@ from torch import Tensor, nn
 
 from ..ops import gated_rms_norm
 from ..ops.gated_rms_norm import ACTIVATIONS, NUMERICS, ORDERS, gated_rms_norm_reference
-from .base import CustomOp
+from .base import CustomOp, EpsAliases
 from .layer_norm import own_parameter
 
 
 @CustomOp.register("gated_rms_norm")
-class GatedRMSNorm(CustomOp):
+class GatedRMSNorm(EpsAliases, CustomOp):
     """RMS normalisation combined with an activation gate, as the hybrid / Mamba-2 families write it.
 
     ``forward(x, gate=None)``: ``gate`` has ``x``'s shape; without one this is a (grouped) RMS

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from ..ops import fused_add_layer_norm, layer_norm
 from ..ops.layer_norm import NUMERICS, fused_add_layer_norm_reference, layer_norm_reference
-from .base import CustomOp
+from .base import CustomOp, EpsAliases
 
 
 def own_parameter(name: str, layer: str, shape: tuple[int, ...], given: Optional[nn.Parameter], wanted: bool,
@@ -25,7 +25,7 @@ def own_parameter(name: str, layer: str, shape: tuple[int, ...], given: Optional
 
 
 @CustomOp.register("layer_norm")
-class LayerNorm(CustomOp):
+class LayerNorm(EpsAliases, CustomOp):
     """Layer normalisation over the last dimension, with any of the HF numerics.
 
     ``forward(x)`` returns the normalised ``x``; ``forward(x, residual)`` returns

@@ -9,11 +9,11 @@ from torch import Tensor, nn
 
 from ..ops import fused_add_rms_norm, rms_norm
 from ..ops.rms_norm import NUMERICS, fused_add_rms_norm_reference, rms_norm_reference
-from .base import CustomOp
+from .base import CustomOp, EpsAliases
 
 
 @CustomOp.register("rms_norm")
-class RMSNorm(CustomOp):
+class RMSNorm(EpsAliases, CustomOp):
     """RMS normalisation over the last dimension, with any of the HF numerics.
 
     ``forward(x)`` returns the normalised ``x``; ``forward(x, residual)`` returns

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from hw_agnostic import ops, rewire
 from hw_agnostic.backend.attention import PagedCacheLayer, disable_paged_attention
-from hw_agnostic.layers import GatedMLP, PagedAttention, QKVProjection, RMSNorm
+from hw_agnostic.layers import GatedMLP, GatedRMSNorm, PagedAttention, QKVProjection, RMSNorm
 from hw_agnostic.tolerances import assert_close
 from tests.backend.models import FAMILIES, build, padded_prompt, prompt
 from tests.zoo import families as zoo
@@ -227,6 +227,29 @@ def test_a_step_shown_cached_padding_is_refused_naming_the_mask(family):
                          reference(token, attention_mask=given, past_key_values=copy.deepcopy(theirs)).logits.double())
         assert_close(model(token, attention_mask=mask, past_key_values=ours).logits,
                      reference(token, attention_mask=mask, past_key_values=theirs).logits.double())
+
+
+@pytest.mark.parametrize("family", ["bamba", "zamba2", "granitemoehybrid"])
+def test_hybrid_models_train_as_the_original(family):
+    """Mamba-2 mixers in training hand their gated norm's ``variance_epsilon`` and weight to a fused
+    kernel (its PyTorch fallback on the CPU): the rewired norm answers to that name."""
+    model = zoo.build(family)
+    reference = copy.deepcopy(model)
+    rewire(model)
+    assert any(isinstance(m, GatedRMSNorm) for m in model.modules())
+    ids = prompt()
+    losses = []
+    for m in (model, reference):
+        m.train()
+        torch.manual_seed(0)
+        loss = m(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        losses.append(loss)
+    assert_close(losses[0], losses[1].double())
+    theirs = dict(reference.named_parameters())
+    for name, parameter in model.named_parameters():
+        if name in theirs and theirs[name].grad is not None:
+            assert_close(parameter.grad, theirs[name].grad.double())
 
 
 def test_inputs_that_need_gradients():
