@@ -112,7 +112,7 @@ def attend_paged(module: nn.Module, state: Any, batch: PagedBatch, query: Tensor
                  kwargs: dict[str, Any]) -> tuple[Tensor, Any]:
     """The attention function's work once the step is in the pages: ``paged_attention`` over ``batch``
     (the module's own attention for a mask the kernel does not read)."""
-    if attention_mask is None and batch.store is not None and _sees_lost_padding(None, batch.store, query.shape[2]):
+    if attention_mask is None and _sees_lost_padding(None, batch.store, query.shape[2]):
         raise _refuse_lost_padding(module, batch.store, query.shape[2])
     why = _mask_refusal(batch, attention_mask, query.shape[2], kwargs.get("sliding_window"))
     if why is not None:

@@ -112,7 +112,6 @@ def install_weight_conversions(model: nn.Module, converters: list[Any]) -> None:
 
 #: on a rewired model: the converters of its merges and renames, which its ``load_state_dict`` applies
 _CONVERSIONS = "_hw_agnostic_checkpoint_conversions"
-_TAKES_ORIGINAL_KEYS = "_hw_agnostic_takes_original_keys"
 
 
 def take_original_keys(model: nn.Module, converters: list[Any]) -> None:
@@ -128,10 +127,9 @@ def take_original_keys(model: nn.Module, converters: list[Any]) -> None:
     """
     if not converters:
         return
-    model.__dict__[_CONVERSIONS] = [*model.__dict__.get(_CONVERSIONS, ()), *converters]
-    if not model.__dict__.get(_TAKES_ORIGINAL_KEYS):
+    if _CONVERSIONS not in model.__dict__:  # the first time: the hook, which reads the list as it grows
         model.register_load_state_dict_pre_hook(_convert_original_keys)
-        model.__dict__[_TAKES_ORIGINAL_KEYS] = True
+    model.__dict__[_CONVERSIONS] = [*model.__dict__.get(_CONVERSIONS, ()), *converters]
 
 
 def _convert_original_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:

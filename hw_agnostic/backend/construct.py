@@ -85,7 +85,7 @@ def prepare(config: Any, model_class: Any = None) -> tuple[type, _Patches]:
     with torch.device("meta"):
         skeleton = hf_class(config)
     patches = _Patches()
-    converters = []
+    converters = patches.converters
     by_class: dict[type, list[tuple[str, nn.Module]]] = {}
     for path, module in skeleton.named_modules():
         by_class.setdefault(type(module), []).append((path, module))
@@ -102,7 +102,6 @@ def prepare(config: Any, model_class: Any = None) -> tuple[type, _Patches]:
             patches.classes[cls.__name__] = _mlp_adapter(cls, mlps[0])
             patches.notes.append((cls.__name__, f"{resolve('gated_mlp').__name__} ({mlps[0].activation})"))
             converters += _mlp_converters(instances, mlps[0])
-    patches.converters = converters
     return _hw_model_class(hf_class, config, converters), patches
 
 

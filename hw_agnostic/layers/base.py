@@ -99,27 +99,23 @@ class PluggableLayer(_Registered):
     """A composed layer that a plugin can replace whole."""
 
 
+def _eps_alias() -> property:
+    def read(self: Any) -> float:
+        return self.eps
+
+    def write(self: Any, value: float) -> None:
+        self.eps = float(value)
+
+    return property(read, write)
+
+
 class EpsAliases:
     """A norm's ``eps`` under the names Hugging Face's norms give it, which code around a norm reads
     (Mamba-2 mixers pass ``self.norm.variance_epsilon`` to their fused training kernel)."""
 
     eps: float
-
-    @property
-    def variance_epsilon(self) -> float:
-        return self.eps
-
-    @variance_epsilon.setter
-    def variance_epsilon(self, value: float) -> None:
-        self.eps = float(value)
-
-    @property
-    def epsilon(self) -> float:
-        return self.eps
-
-    @epsilon.setter
-    def epsilon(self, value: float) -> None:
-        self.eps = float(value)
+    variance_epsilon = _eps_alias()
+    epsilon = _eps_alias()
 
 
 def resolve(layer: str | type[nn.Module]) -> type[nn.Module]:
