@@ -97,6 +97,11 @@ class Recognised:
 
     code: types.CodeType
     forwarded: tuple[tuple[str, Callable[[nn.Module], Any]], ...]
+    owner: type  # the class whose forward it is
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Recognised again where it is unpickled (code and the forwarded functions do not pickle)."""
+        return recognise, (self.owner,)
 
 
 class _Unify(ast.NodeTransformer):
@@ -181,7 +186,7 @@ def recognise(cls: type) -> Optional[Recognised]:
         ast.fix_missing_locations(source)
         forwarded.append((name, eval(compile(source, inspect.getsourcefile(inner) or "<forward>", "eval"),  # noqa: S307
                                      inner.__globals__)))
-    return Recognised(inner.__code__, tuple(forwarded))
+    return Recognised(inner.__code__, tuple(forwarded), cls)
 
 
 # --------------------------------------------------------------------------------------------

@@ -53,8 +53,10 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..layers.attention import _STATE, PagedAttention, PagedBatch, _call_shape, _PagedState, attend
+from ..layers.attention import (_STATE, PagedAttention, PagedBatch, _call_shape, _PagedState, attend,
+                                class_forward)
 from ..layers.base import resolve
+from ..layers.made_class import made_by
 from .attention import StrictUntilReleased, _cache_classes, _masks_agree, bind_cache, paged_layer_of
 
 log = logging.getLogger(__name__)
@@ -114,8 +116,9 @@ def adopt_own_code(module: nn.Module, *, block_size: int = 16, own: Optional[_Ow
     base = type(module)
     positional, cache_name, passes_window = _call_shape(base.forward)
     config = getattr(module, "config", None)
-    module.__dict__[_STATE] = _PagedState(_bind_own_code, config, config, block_size, positional, cache_name,
-                                          passes_window, base_forward=base.forward)
+    state = _PagedState(_bind_own_code, config, config, block_size, positional, cache_name, passes_window)
+    state.use_forward(base.forward, class_forward(base))
+    module.__dict__[_STATE] = state
     module.__dict__[_OWN] = own if own is not None else _OwnState(strict=False)
     module.__class__ = _own_code_class(resolve("paged_attention"), base)
     return module
@@ -177,7 +180,7 @@ class _OwnCodeAttention:
 @functools.lru_cache(maxsize=None)
 def _own_code_class(layer: type, base: type) -> type:
     return type(f"Paged{base.__name__}", (_OwnCodeAttention, layer, base), {
-        "_hw_agnostic_base": base, "__module__": layer.__module__,
+        "_hw_agnostic_base": base, "__module__": layer.__module__, **made_by(_own_code_class, layer, base),
         "_hw_agnostic_release": staticmethod(release_own_code),
         "__doc__": f"{base.__name__} with its K/V in a paged cache and its own attention code run by paged_attention.",
     })

@@ -14,12 +14,14 @@ with the original keys (:func:`take_original_keys`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
 
+@functools.lru_cache(maxsize=1)
 def _ops() -> tuple[type, type]:
     from transformers.core_model_loading import ConversionOps
 
@@ -28,6 +30,9 @@ def _ops() -> tuple[type, type]:
 
         def __init__(self, sizes: tuple[int, ...], dim: int = 0) -> None:
             self.sizes, self.dim = tuple(sizes), dim
+
+        def __reduce__(self) -> tuple[Any, ...]:  # pickled with a rewired model: see _op
+            return _op, (0, self.sizes, self.dim)
 
         @torch.no_grad()
         def convert(self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str],
@@ -48,6 +53,9 @@ def _ops() -> tuple[type, type]:
         def __init__(self, sizes: tuple[int, ...], dim: int = 0) -> None:
             self.sizes, self.dim = tuple(sizes), dim
 
+        def __reduce__(self) -> tuple[Any, ...]:
+            return _op, (1, self.sizes, self.dim)
+
         @torch.no_grad()
         def convert(self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str],
                     **kwargs: Any) -> dict[str, torch.Tensor]:
@@ -62,6 +70,12 @@ def _ops() -> tuple[type, type]:
             return ConcatenateParts(self.sizes, self.dim)
 
     return ConcatenateParts, SplitParts
+
+
+def _op(which: int, sizes: tuple[int, ...], dim: int) -> Any:
+    """``ConcatenateParts`` (0) or ``SplitParts`` (1): classes made where transformers is imported,
+    which pickle cannot find by name."""
+    return _ops()[which](sizes, dim)
 
 
 def merged(path: str, sources: list[str], target: str, sizes: tuple[int, ...]) -> list[Any]:

@@ -22,6 +22,7 @@ q/k/v are not merged on this path: their checkpoint keys stay as they are.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from ..layers import resolve
+from ..layers.made_class import made_by
 from . import checkpoint
 from .detect import MLPSpec, detect_gated_mlp
 from .detect_norms import NormSpec, detect_rms_norm
@@ -99,7 +101,7 @@ def prepare(config: Any, model_class: Any = None) -> tuple[type, _Patches]:
             continue
         mlps = [detect_gated_mlp(m) for _, m in instances]
         if all(isinstance(s, MLPSpec) for s in mlps) and len({(s.gate, s.up, s.gate_up, s.down) for s in mlps}) == 1:
-            patches.classes[cls.__name__] = _mlp_adapter(cls, mlps[0])
+            patches.classes[cls.__name__] = _mlp_class(cls, resolve("gated_mlp"))
             patches.notes.append((cls.__name__, f"{resolve('gated_mlp').__name__} ({mlps[0].activation})"))
             converters += _mlp_converters(instances, mlps[0])
     return _hw_model_class(hf_class, config, converters), patches
@@ -111,22 +113,29 @@ def _norm_adapter(cls: type, specs: list[NormSpec]) -> type | None:
                for s in specs)
     if not same or first.eps_attribute is None or first.weight_name not in (None, "weight"):
         return None  # instances differ, or eps/weight cannot be read from a constructed instance
-    base = resolve("rms_norm")
+    return _norm_class(cls, resolve("rms_norm"), first.numerics, first.weight_name, first.eps_attribute)
 
+
+# The adapters are made once per class and arguments (``lru_cache``): their instances pickle with
+# the recipe (see ..layers.made_class).
+
+
+@functools.lru_cache(maxsize=None)
+def _norm_class(cls: type, base: type, numerics: str, weight_name: str | None, eps_attribute: str) -> type:
     def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
         with torch.device("meta"):
             original = cls(*args, **kwargs)
-        weight = getattr(original, first.weight_name) if first.weight_name else None
-        base.__init__(self, weight.shape[0] if weight is not None else 1, getattr(original, first.eps_attribute),
-                      first.numerics, has_weight=weight is not None)
-        self.__dict__[_ORIGINAL] = (original, {first.weight_name: "weight"} if first.weight_name else {})
+        weight = getattr(original, weight_name) if weight_name else None
+        base.__init__(self, weight.shape[0] if weight is not None else 1, getattr(original, eps_attribute),
+                      numerics, has_weight=weight is not None)
+        self.__dict__[_ORIGINAL] = (original, {weight_name: "weight"} if weight_name else {})
 
-    return type(cls.__name__, (base,), {"__init__": __init__, "__module__": __name__, "replaces": cls})
+    return type(cls.__name__, (base,), {"__init__": __init__, "__module__": __name__, "replaces": cls,
+                                        **made_by(_norm_class, cls, base, numerics, weight_name, eps_attribute)})
 
 
-def _mlp_adapter(cls: type, spec: MLPSpec) -> type:
-    base = resolve("gated_mlp")
-
+@functools.lru_cache(maxsize=None)
+def _mlp_class(cls: type, base: type) -> type:
     def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
         with torch.device("meta"):
             original = cls(*args, **kwargs)
@@ -138,7 +147,8 @@ def _mlp_adapter(cls: type, spec: MLPSpec) -> type:
                       up_multiplier=found.up_multiplier, down_multiplier=found.down_multiplier, dropout=found.dropout)
         self.__dict__[_ORIGINAL] = (original, found)
 
-    return type(cls.__name__, (base,), {"__init__": __init__, "__module__": __name__, "replaces": cls})
+    return type(cls.__name__, (base,), {"__init__": __init__, "__module__": __name__, "replaces": cls,
+                                        **made_by(_mlp_class, cls, base)})
 
 
 def _mlp_converters(instances: list[tuple[str, nn.Module]], spec: MLPSpec) -> list[Any]:
@@ -161,22 +171,33 @@ def _mlp_converters(instances: list[tuple[str, nn.Module]], spec: MLPSpec) -> li
 
 
 def _hw_model_class(hf_class: type, config: Any, converters: list[Any]) -> type:
+    """``HwAgnostic<Class>``, with the checkpoint conversions of this construction registered under its name."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 
-    def save_pretrained(self: Any, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
-        result = hf_class.save_pretrained(self, save_directory, *args, **kwargs)
-        config_file = Path(save_directory) / "config.json"
-        if config_file.exists():  # name the class anyone can load, not this subclass
-            document = json.loads(config_file.read_text())
-            document["architectures"] = [hf_class.__name__]
-            config_file.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
-        return result
-
-    name = f"HwAgnostic{hf_class.__name__}"
-    hw_class = type(name, (hf_class,), {"save_pretrained": save_pretrained, "__module__": hf_class.__module__})
+    hw_class = _model_class(hf_class)
     existing = get_checkpoint_conversion_mapping(getattr(config, "model_type", "")) or []
-    register_checkpoint_conversion_mapping(name, [*existing, *converters], overwrite=True)
+    register_checkpoint_conversion_mapping(hw_class.__name__, [*existing, *converters], overwrite=True)
     return hw_class
+
+
+@functools.lru_cache(maxsize=None)
+def _model_class(hf_class: type) -> type:
+    """``hf_class`` saving under its own name; one per class, which its instances pickle with."""
+    return type(f"HwAgnostic{hf_class.__name__}", (hf_class,), {
+        "save_pretrained": _save_pretrained, "_hw_agnostic_saves_as": hf_class, "__module__": hf_class.__module__,
+        **made_by(_model_class, hf_class),
+    })
+
+
+def _save_pretrained(self: Any, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+    hf_class = type(self)._hw_agnostic_saves_as
+    result = hf_class.save_pretrained(self, save_directory, *args, **kwargs)
+    config_file = Path(save_directory) / "config.json"
+    if config_file.exists():  # name the class anyone can load, not this subclass
+        document = json.loads(config_file.read_text())
+        document["architectures"] = [hf_class.__name__]
+        config_file.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
+    return result
 
 
 @contextlib.contextmanager

@@ -24,9 +24,10 @@ version counter, so an in-place change could not be seen) and while ``torch.comp
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 import logging
-import types
 from typing import Any
 
 import torch
@@ -70,39 +71,45 @@ def attention_call_refusal(attention: nn.Module, layout: DecoderLayout) -> str |
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class FusedLayout:
+    """What a fused forward needs of its layer's layout (picklable, as the layer's ``forward`` is)."""
+
+    roles: tuple[tuple[str, str], ...]  # (role, child name)
+    attention_params: tuple[str, ...]  # the attention keywords, in the order the layer passes them
+    hidden_param: str
+    defaults: tuple[tuple[str, Any], ...]  # the layer's signature defaults for the attention keywords
+    sandwich: bool
+
+
 def install_fused_forward(layer: nn.Module, layout: DecoderLayout, signature_defaults: dict[str, Any]) -> None:
     if layout.name not in FUSABLE:
         raise ValueError(f"layout {layout.name!r} has no fused forward")
-    roles = dict(layout.roles)
-    named = layout.attention_params
-    hidden_param = layout.hidden_param
-    defaults = dict(signature_defaults)
-    sandwich = layout.name == "sandwich"
+    fused = FusedLayout(tuple(dict(layout.roles).items()), tuple(layout.attention_params), layout.hidden_param,
+                        tuple(signature_defaults.items()), layout.name == "sandwich")
+    # a partial, not a bound method: it pickles (and deep-copies onto the copy) with the layer
+    layer.forward = functools.partial(_fused_forward, fused, layer)
 
-    def attention_kwargs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        passed = dict(defaults)
-        passed.update(zip(named, args))
-        passed.update(kwargs)
-        return passed
 
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
-        if self.training:  # the class's forward, on ``self``: a deep copy's training must run on the copy
-            return type(self).forward(self, *args, **kwargs)
-        if hidden_param in kwargs:
-            hidden, rest = kwargs.pop(hidden_param), args
-        else:
-            hidden, rest = args[0], args[1:]
-        children = self._modules  # the roles are direct children; read each call (verification may swap them)
-        role = {name: children[child] for name, child in roles.items()}
-        normed = call(role["input_norm"], hidden)
-        h = call(role["attention"], hidden_states=normed, **attention_kwargs(rest, kwargs))[0]
-        if sandwich:
-            h, residual = add_and_norm(role["pre_mlp_norm"], call(role["post_attention_norm"], h), hidden)
-            return hand_off(self, call(role["post_mlp_norm"], call(role["mlp"], h)), residual)
-        h, residual = add_and_norm(role["post_attention_norm"], h, hidden)
-        return hand_off(self, call(role["mlp"], h), residual)
-
-    layer.forward = types.MethodType(forward, layer)
+def _fused_forward(fused: FusedLayout, self: nn.Module, *args: Any, **kwargs: Any) -> Tensor:
+    if self.training:  # the class's forward, on ``self``: a deep copy's training must run on the copy
+        return type(self).forward(self, *args, **kwargs)
+    if fused.hidden_param in kwargs:
+        hidden, rest = kwargs.pop(fused.hidden_param), args
+    else:
+        hidden, rest = args[0], args[1:]
+    children = self._modules  # the roles are direct children; read each call (verification may swap them)
+    role = {name: children[child] for name, child in fused.roles}
+    passed = dict(fused.defaults)
+    passed.update(zip(fused.attention_params, rest))
+    passed.update(kwargs)
+    normed = call(role["input_norm"], hidden)
+    h = call(role["attention"], hidden_states=normed, **passed)[0]
+    if fused.sandwich:
+        h, residual = add_and_norm(role["pre_mlp_norm"], call(role["post_attention_norm"], h), hidden)
+        return hand_off(self, call(role["post_mlp_norm"], call(role["mlp"], h)), residual)
+    h, residual = add_and_norm(role["post_attention_norm"], h, hidden)
+    return hand_off(self, call(role["mlp"], h), residual)
 
 
 def remove_fused_forward(layer: nn.Module) -> None:
@@ -125,7 +132,7 @@ def _versions(norm: nn.Module) -> tuple[int, ...] | None:
 
 
 def _takes_handoff(norm: Any) -> bool:
-    return getattr(norm.__dict__.get("forward"), "__func__", None) is _forward_taking_handoff
+    return getattr(norm.__dict__.get("forward"), "func", None) is _forward_taking_handoff
 
 
 def hand_off(layer: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
@@ -165,7 +172,7 @@ def link_next_norm(layer: nn.Module, parent: nn.Module, name: str) -> None:
     """Fuse ``layer``'s last residual add with ``parent.<name>``, the norm that reads its output next."""
     norm = parent._modules[name]
     norm.__dict__.pop(HANDED, None)
-    norm.__dict__["forward"] = types.MethodType(_forward_taking_handoff, norm)
+    norm.__dict__["forward"] = functools.partial(_forward_taking_handoff, norm)
     layer.__dict__[NEXT_NORM] = (parent, name)
 
 

@@ -47,7 +47,7 @@ from ..layers import CustomOp, LayerNorm, Linear, PagedAttention, PluggableLayer
 from ..ops import checks
 from ..tolerances import mismatch
 from . import checkpoint
-from .attention import paging_changes
+from .attention import paging_changes, register_attention_function
 from .changes import Change, swap
 from .decoder import (
     FUSABLE,
@@ -74,7 +74,7 @@ from .detect_norms import (
     detect_layer_norm,
     detect_rms_norm,
 )
-from .experts import experts_changes
+from .experts import experts_changes, register_experts_implementation
 from .report import RewireReport
 from .rotary import rotary_changes, settle_rotary
 from .verify import Verification
@@ -87,6 +87,26 @@ class Options:
     verify: bool
     probe: Callable[[], Any] | None
     block_size: int = 16
+
+
+#: on a rewired model: its :class:`Registrations`
+REGISTRATIONS = "_hw_agnostic_registrations"
+
+
+class Registrations:
+    """Kept on a rewired model for where it is unpickled (``torch.load``, a spawned process): its
+    configs name our attention function and experts implementation, which transformers looks up
+    in its registries, and a process that loads the model has imported nothing that registers them.
+    Unpickling this registers them (before any forward: it is made while the model loads)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _registered, ()
+
+
+def _registered() -> Registrations:
+    register_attention_function()
+    register_experts_implementation()
+    return Registrations()
 
 
 def rewire(
@@ -146,6 +166,7 @@ def rewire(
         verification.settle(made, report)
         settle_rotary(made, report)
     finish(model, made, report, verification)
+    model.__dict__[REGISTRATIONS] = Registrations()
     if verbose:
         print(report.table())
     return report

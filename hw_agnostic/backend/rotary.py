@@ -230,6 +230,14 @@ def routed_forward(forward: Callable[..., Any]) -> tuple[Optional[Callable[..., 
     return rebuilt, ", ".join(names)
 
 
+def routed_class_forward(cls: type) -> Callable[..., Any]:
+    """A routed copy of ``cls.forward``, made again for a module unpickled with its forward routed."""
+    forward, detail = routed_forward(cls.forward)
+    if forward is None:
+        raise RuntimeError(f"the rotary routing of {cls.__qualname__}.forward cannot be made again here: {detail}")
+    return forward
+
+
 def verdicts(module: nn.Module) -> dict[tuple[Any, ...], Verdict]:
     """What the probes found for the calls ``module``'s rotary router has seen (empty when not routed)."""
     forward = PagedAttention.forward_of(module) if isinstance(module, PagedAttention) else None
@@ -271,9 +279,9 @@ def rotary_changes(model: nn.Module) -> tuple[list[Change], list[tuple[str, nn.M
                 left.append((path, module, f"rotary embedding runs as the model defines it: {detail}"))
             continue
 
-        def apply(module: nn.Module = module, forward: Callable[..., Any] = forward) -> None:
+        def apply(module: nn.Module = module, forward: Callable[..., Any] = forward, base: type = base) -> None:
             if isinstance(module, PagedAttention):  # a paging undone by verification leaves nothing to route
-                PagedAttention.use_forward(module, forward)
+                PagedAttention.use_forward(module, forward, functools.partial(routed_class_forward, base))
 
         def undo(module: nn.Module = module) -> None:
             if isinstance(module, PagedAttention):

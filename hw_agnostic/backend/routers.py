@@ -37,6 +37,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from ..layers.made_class import made_by
 from ..layers.moe import LOGITS, WEIGHTS_DTYPES, RoutingSpec, route
 from ..ops.moe_route import SCORINGS
 from ..tolerances import mismatch, tolerance
@@ -98,6 +99,12 @@ class RouterForm:
     bias_argument: bool = False  # the block passes the correction bias: forward(hidden, bias)
     output: str = TRIPLE
 
+    def __reduce_ex__(self, protocol: int) -> Any:
+        """A form of :data:`ROUTER_FORMS` pickles by name (its specs are lambdas); an inferred one by value."""
+        if any(form is self for form in ROUTER_FORMS):
+            return _known_form, (self.name,)
+        return object.__reduce_ex__(self, protocol)
+
     def describe(self, module: nn.Module) -> str:
         spec = self.spec(module)
         return (f"moe_route {spec.scoring}, top-{spec.top_k}" + (", renormalized" if spec.renormalize else "")
@@ -137,6 +144,10 @@ ROUTER_FORMS: tuple[RouterForm, ...] = (
         f"{_MODELS}.granitemoe.modeling_granitemoe:GraniteMoeTopKRouter", keeps_leading_dims=True,
     ),
 )
+
+
+def _known_form(name: str) -> RouterForm:
+    return next(form for form in ROUTER_FORMS if form.name == name)
 
 
 def router_linear(module: nn.Module) -> Optional[str]:
@@ -431,6 +442,7 @@ def _routed_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs
 def routed_class(cls: type, form: RouterForm) -> type:
     return type(f"HwAgnostic{cls.__name__}", (cls,), {
         "forward": _routed_forward, "_hw_agnostic_form": form, "_hw_agnostic_base": cls, "__module__": __name__,
+        **made_by(routed_class, cls, form),
         "__doc__": f"{cls.__name__} computing its routing with hw_agnostic's moe_route ({form.name} form).",
     })
 

@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from ..ops.paged_attention import paged_attention
 from ..ops.write_kv_cache import write_kv_cache
 from .base import PluggableLayer, resolve
+from .made_class import made_by
 
 
 
@@ -578,6 +579,9 @@ class _PagedState:
     # without a cache, or nothing (the module's own attention). See hand() and take().
     handed: dict[int, Any] = dataclasses.field(default_factory=dict)
     base_forward: Optional[Callable[..., Any]] = None  # the module's own class's forward
+    # How ``base_forward`` is made again where the state is unpickled: functions made at run time
+    # (transformers' decorators, the rotary routing's copies) pickle by name, which they do not have.
+    forward_recipe: Optional[Callable[[], Callable[..., Any]]] = None
     cache_names: tuple[str, ...] = ()  # every name a cache may arrive under
     # Why the kernel cannot serve this module (its masks are not causal ones), once seen: from
     # then on it runs its own attention over the K/V its pages hold.
@@ -588,6 +592,18 @@ class _PagedState:
 
     def __post_init__(self) -> None:
         self.cache_names = tuple(dict.fromkeys((*_CACHE_NAMES, self.cache_name)))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickles (and deep-copies): the forward as its recipe, no call in progress, and not
+        the pages of the last cache (they belong to that cache, which holds them)."""
+        return {**self.__dict__, "base_forward": None, "handed": {}, "kv": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.base_forward = self.forward_recipe() if self.forward_recipe is not None else None
+
+    def use_forward(self, forward: Callable[..., Any], recipe: Callable[[], Callable[..., Any]]) -> None:
+        self.base_forward, self.forward_recipe = forward, recipe
 
     def hand(self, batch: Any) -> None:
         """Leave ``batch`` for this thread's next :meth:`take` (None: nothing)."""
@@ -622,10 +638,15 @@ def _call_shape(forward: Callable[..., Any]) -> tuple[tuple[str, ...], str, bool
     return tuple(p.name for p in params if p.kind in kinds), cache_name, passes_window
 
 
+def class_forward(cls: type) -> Callable[[], Callable[..., Any]]:
+    """The recipe of ``cls.forward`` (see :attr:`_PagedState.forward_recipe`)."""
+    return functools.partial(getattr, cls, "forward")
+
+
 @functools.lru_cache(maxsize=None)
 def _paged_class(layer: type, base: type) -> type:
     return type(f"Paged{base.__name__}", (layer, base), {
-        "_hw_agnostic_base": base, "__module__": layer.__module__,
+        "_hw_agnostic_base": base, "__module__": layer.__module__, **made_by(_paged_class, layer, base),
         "__doc__": f"{base.__name__} with its K/V in a paged cache and its attention in paged_attention.",
     })
 
@@ -658,8 +679,10 @@ class PagedAttention(PluggableLayer):
         layer = resolve("paged_attention")
         base = type(module)
         positional, cache_name, passes_window = _call_shape(base.forward)
-        module.__dict__[_STATE] = _PagedState(bind_cache, attention_config, module.config, block_size, positional,
-                                              cache_name, passes_window, base_forward=base.forward, direct=direct)
+        state = _PagedState(bind_cache, attention_config, module.config, block_size, positional, cache_name,
+                            passes_window, direct=direct)
+        state.use_forward(base.forward, class_forward(base))
+        module.__dict__[_STATE] = state
         module.__class__ = _paged_class(layer, base)
         module.config = attention_config
         return module
@@ -673,11 +696,18 @@ class PagedAttention(PluggableLayer):
         return module
 
     @staticmethod
-    def use_forward(module: nn.Module, forward: Optional[Callable[..., Any]]) -> None:
+    def use_forward(module: nn.Module, forward: Optional[Callable[..., Any]],
+                    recipe: Optional[Callable[[], Callable[..., Any]]] = None) -> None:
         """Run ``forward`` (a copy of the module's own class's forward, e.g. with its rotary
-        function routed to a kernel) in its place; None: the class's own forward again."""
+        function routed to a kernel) in its place, made again by ``recipe()`` (picklable) where the
+        module is unpickled; None: the class's own forward again."""
         state: _PagedState = module.__dict__[_STATE]
-        state.base_forward = forward if forward is not None else type(module)._hw_agnostic_base.forward
+        if forward is None:
+            base = type(module)._hw_agnostic_base
+            forward, recipe = base.forward, class_forward(base)
+        elif recipe is None:
+            raise ValueError("use_forward: a forward other than the class's own needs the recipe that makes it again")
+        state.use_forward(forward, recipe)
 
     @staticmethod
     def forward_of(module: nn.Module) -> Callable[..., Any]:

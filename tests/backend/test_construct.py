@@ -47,6 +47,14 @@ def test_save_pretrained_round_trips_to_the_original_keys(family, tmp_path):
     again, _ = hw_agnostic.from_pretrained(saved)
     with torch.no_grad():
         assert torch.equal(again.eval()(ids).logits, model(ids).logits)
+    # torch.save / torch.load (a pickle) of the constructed model: its class, its results, its saving
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert [type(m) for m in loaded.modules()] == [type(m) for m in model.modules()]
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    loaded.save_pretrained(tmp_path / "loaded")
+    assert _keys(tmp_path / "loaded") == _keys(original)
     # a state dict with the original keys (the HF model's, halved) loads into the constructed model
     with torch.no_grad():
         halved = {key: value * 0.5 for key, value in hf.state_dict().items()}

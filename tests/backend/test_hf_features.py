@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import copy
 import gc
+import subprocess
+import sys
 import threading
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,6 +151,60 @@ def test_a_deep_copy_computes_with_its_own_weights(family):
     assert original_attention() is None
     assert disable_paged_attention(copied)
     assert not any(m._forward_pre_hooks for m in copied.modules())
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "mixtral", "qwen3_moe", "gpt_oss", "bamba", "xglm"])
+def test_a_pickled_model_loads_as_the_same_rewired_model(family, tmp_path):
+    """``torch.save(model)`` / ``torch.load`` (and multiprocessing, which pickles too) of a rewired
+    model: the classes rewire made, the attention forwards (rotary routed, recognised for the direct
+    path), the fused decoder forwards and the checkpoint converters pickle by what makes them again
+    (they raised a PicklingError before), and the loaded model is the rewired model, of its own."""
+    model = build(family) if family in FAMILIES else zoo.build(family)
+    reference = copy.deepcopy(model)
+    rewire(model)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert [type(m) for m in loaded.modules()] == [type(m) for m in model.modules()]
+    ids, (padded, mask) = prompt(), padded_prompt()
+    options = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        got = loaded(ids).logits
+        assert torch.equal(got, model(ids).logits)
+        assert_close(got, reference(ids).logits.double())
+        assert torch.equal(loaded.generate(padded, **options), model.generate(padded, **options))
+        for p in model.parameters():
+            p.zero_()
+        assert torch.equal(loaded(ids).logits, got)
+    loaded.save_pretrained(tmp_path / "saved")  # the converters came along: the original's keys
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, reference(ids).logits)
+    disable_paged_attention(loaded)
+    assert not any(isinstance(m, PagedAttention) for m in loaded.modules())
+
+
+def test_a_model_pickled_here_loads_in_a_fresh_process(tmp_path):
+    """Nothing the loaded model needs lives only in the process that saved it (the made classes,
+    the routed router class and its form, the rotary routers are made again there)."""
+    model = zoo.build("qwen3_moe")
+    rewire(model)
+    ids = prompt()
+    torch.save({"model": model, "ids": ids}, tmp_path / "model.pt")
+    with torch.no_grad():
+        torch.save(model(ids).logits, tmp_path / "logits.pt")
+    script = (
+        "import sys, torch\n"
+        "saved = torch.load(sys.argv[1], weights_only=False)\n"
+        "with torch.no_grad():\n"
+        "    logits = saved['model'](saved['ids']).logits\n"
+        "assert torch.equal(logits, torch.load(sys.argv[2])), 'logits differ'\n"
+        "print(sorted({type(m).__name__ for m in saved['model'].modules() if 'HwAgnostic' in type(m).__name__ "
+        "or 'Paged' in type(m).__name__}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "model.pt"), str(tmp_path / "logits.pt")],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "HwAgnosticQwen3MoeTopKRouter" in done.stdout and "PagedQwen3MoeAttention" in done.stdout, done.stdout
 
 
 def test_threads_sharing_a_model_attend_over_their_own_caches(monkeypatch):
