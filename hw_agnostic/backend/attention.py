@@ -325,7 +325,6 @@ def register_attention_function() -> None:
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
 
 
-
 # --------------------------------------------------------------------------------------------
 # generate(): the layer's paged view inside a transformers Cache
 
