@@ -11,6 +11,11 @@ read plus q and the output; ``bw_fraction`` divides by the same run's copy bandw
 that cannot run a shape (FlashAttention-2's paged path wants 256-token blocks) gets a row with
 no time and the error.
 
+Uneven decode (``op = "paged_attention decode uneven"``): as decode, but the sequences hold different
+numbers of keys, spread evenly from half the context to all of it (continuous batching's steps);
+``width`` is the longest. Baseline: SDPA over K/V padded to the longest with a mask (what a padded
+batch costs it).
+
 Prefill (``op = "paged_attention prefill"``): ``width`` fresh prompts of ``tokens`` tokens each,
 causal, as one varlen batch. Baselines: SDPA with ``is_causal`` on ``[S, H, L, D]`` (the flash
 backend on GPUs) and FlashAttention's varlen function when installed. FLOPs count the causal
@@ -64,7 +69,9 @@ def _grid(device: torch.device, quick: bool) -> list[tuple[str, int, int]]:
         decode = [(b, c) for b in (1, 8, 64, 256) for c in (512, 2048, 8192, 32768)]
         prefill = [(s, t) for s in (1, 4, 8) for t in (512, 2048, 8192)]
         mixed = [(d, t) for d in (15, 63, 255) for t in (512, 2048)]
+    uneven = [(16, 512)] if device.type == "cpu" else [(64, 2048)] if quick else [(64, 2048), (256, 8192)]
     return ([("decode", b, c) for b, c in decode] + [("decode in-order", b, c) for b, c in in_order]
+            + [("decode uneven", b, c) for b, c in uneven]
             + [("prefill", s, t) for s, t in prefill] + [("mixed", d, t) for d, t in mixed])
 
 
@@ -98,11 +105,13 @@ def _flashinfer() -> Any:
 
 
 def _decode(batch: int, context: int, dtype: torch.dtype, device: torch.device,
-            in_order: bool = False) -> tuple[dict, dict, tuple]:
+            in_order: bool = False, uneven: bool = False) -> tuple[dict, dict, tuple]:
     k_cache, v_cache, table = _paged_cache(batch, context, dtype, device, in_order)
     q = torch.randn(batch, Q_HEADS, HEAD_DIM, device=device, dtype=dtype)
     cu = torch.arange(batch + 1, device=device, dtype=torch.int32)
     lens = torch.full((batch,), context, device=device, dtype=torch.int32)
+    if uneven:  # from half the context to all of it
+        lens = torch.linspace(context // 2, context, batch, device=device).round().to(torch.int32)
     args = (q, k_cache, v_cache, table, cu, lens, HEAD_DIM**-0.5, None, None, None, 1, context)
     candidates: dict[str, Callable[[], Any]] = {
         "hw_agnostic": lambda: paged_attention(q, k_cache, v_cache, table, cu, lens, max_q_len=1, max_kv_len=context),
@@ -110,7 +119,9 @@ def _decode(batch: int, context: int, dtype: torch.dtype, device: torch.device,
     k = torch.randn(batch, KV_HEADS, context, HEAD_DIM, device=device, dtype=dtype)
     v = torch.randn_like(k)
     q4 = q[:, :, None]
-    candidates["torch_sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+    mask = (torch.arange(context, device=device) < lens[:, None])[:, None, None] if uneven else None
+    candidates["torch_sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v, attn_mask=mask,
+                                                                                      enable_gqa=True)
     if device.type == "cuda":
         flash = _flash_attn()
         if flash is not None:
@@ -118,13 +129,14 @@ def _decode(batch: int, context: int, dtype: torch.dtype, device: torch.device,
             candidates["flash_attn"] = lambda: flash.flash_attn_with_kvcache(
                 qf, k_cache, v_cache, cache_seqlens=lens, block_table=table, causal=True)
         infer = _flashinfer()
-        if infer is not None:
+        if infer is not None and not uneven:  # its decode helper here plans one length for all
             try:
                 candidates["flashinfer"] = _flashinfer_decode(infer, q, k_cache, v_cache, table, context)
             except Exception:  # an API this version does not have: no FlashInfer row
                 pass
-    moved = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size() + 2 * q.numel() * q.element_size()
-    return candidates, {"bytes": moved, "flops": 4 * batch * Q_HEADS * HEAD_DIM * context}, args
+    keys = int(lens.sum())
+    moved = 2 * keys * KV_HEADS * HEAD_DIM * k_cache.element_size() + 2 * q.numel() * q.element_size()
+    return candidates, {"bytes": moved, "flops": 4 * Q_HEADS * HEAD_DIM * keys}, args
 
 
 def _flashinfer_decode(infer: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -233,12 +245,14 @@ def run(device: torch.device, *, quick: bool, log: Callable[[str], None],
         if cache_bytes > MAX_CACHE_BYTES:
             log(f"[{index}/{len(grid)}] skip {kind} {count}x{length}: {cache_bytes / 2**30:.0f} GiB per cache")
             continue
-        names = {"decode": ("batch", "context"), "decode in-order": ("batch", "context"), "prefill": ("seqs", "tokens"),
+        names = {"decode": ("batch", "context"), "decode in-order": ("batch", "context"),
+                 "decode uneven": ("batch", "context"), "prefill": ("seqs", "tokens"),
                  "mixed": ("decodes", "prompt")}[kind]
         log(f"[{index}/{len(grid)}] {_label(kind, count, length)} ({names[0]}={count} {names[1]}={length})")
         with torch.inference_mode():
             build = {"decode": _decode, "decode in-order": functools.partial(_decode, in_order=True),
-                     "prefill": _prefill, "mixed": _mixed}[kind]
+                     "decode uneven": functools.partial(_decode, uneven=True), "prefill": _prefill,
+                     "mixed": _mixed}[kind]
             candidates, work, args = build(count, length, dtype, device)
             plan = paged_attention_op.plan(*args)
             tokens, width = (count, length) if kind.startswith("decode") else (length, count)

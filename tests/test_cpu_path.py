@@ -457,6 +457,40 @@ def test_a_decode_batch_attends_as_the_grouped_path_does(lengths, dtype, monkeyp
     assert_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [None, 6], ids=["full", "window"])
+@pytest.mark.parametrize("caches", ["own", "halves"])
+def test_decodes_of_different_lengths_attend_in_few_calls(caches, window, dtype, monkeypatch):
+    """Decode queries over different numbers of keys (continuous batching) run as one masked SDPA
+    call per batch of lengths within 2x of each other (one call per length where K and V are the
+    halves of one buffer, whose blocks and slots do not view as one dim), reading only keys their
+    sequences wrote: NaN in the rest of the pages and table entries past a sequence's blocks that
+    name no block change nothing. The spec's result, and the reference never runs."""
+    attention = importlib.import_module("hw_agnostic.ops.paged_attention")
+    lengths, block_size = [9, 5, 7, 10, 30], 4  # 5, 7, 9, 10 in one call; 30 (more than twice 5) in another
+    q, k_cache, v_cache, table, cu, lens = attention.example_paged_batch(
+        [1] * len(lengths), lengths, num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=block_size, dtype=dtype,
+        device="cpu")
+    written = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for seq, count in enumerate(lengths):
+        for position in range(count):
+            written[table[seq, position // block_size], position % block_size] = True
+        table[seq, -(-count // block_size):] = -1 if seq % 2 else 10 ** 6
+    for cache in (k_cache, v_cache):
+        cache[~written] = float("nan")
+    if caches == "halves":
+        buffer = torch.stack([k_cache, v_cache], dim=1)  # [blocks, 2, block_size, heads, dim]
+        k_cache, v_cache = buffer[:, 0], buffer[:, 1]
+    args = (q, k_cache, v_cache, table, cu, lens, 32 ** -0.5, window, None, None, 1, max(lengths))
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    got = attention._ReferenceAttention(lambda *a: pytest.fail("the reference ran"))(*args)
+    assert len(calls) == (2 if caches == "own" else len(set(lengths)))
+    assert_close(got, _float64_spec(args), dtype)
+
+
 def _regular_batch(q_lens: list[int], kv_lens: list[int], stride: int, dtype: torch.dtype, *,
                    heads: tuple[int, int] = (8, 2), dim: int = 32, block_size: int = 4, spare_columns: int = 0,
                    seed: int | None = None) -> tuple:
