@@ -16,6 +16,11 @@ numbers of keys, spread evenly from half the context to all of it (continuous ba
 ``width`` is the longest. Baseline: SDPA over K/V padded to the longest with a mask (what a padded
 batch costs it).
 
+Decode step (``op = "paged_attention decode step"``): what one decode step's attention costs with its
+cache update, on each side: the new token's K/V written into the pages and the op (``hw_agnostic``)
+against what Hugging Face's eager attention does with a ``DynamicCache``, ``torch.cat`` of the new
+K/V onto the cached ones (a fresh copy of the whole cache every step) and SDPA (``hf_eager``).
+
 Prefill (``op = "paged_attention prefill"``): ``width`` fresh prompts of ``tokens`` tokens each,
 causal, as one varlen batch. Baselines: SDPA with ``is_causal`` on ``[S, H, L, D]`` (the flash
 backend on GPUs) and FlashAttention's varlen function when installed. FLOPs count the causal
@@ -70,8 +75,9 @@ def _grid(device: torch.device, quick: bool) -> list[tuple[str, int, int]]:
         prefill = [(s, t) for s in (1, 4, 8) for t in (512, 2048, 8192)]
         mixed = [(d, t) for d in (15, 63, 255) for t in (512, 2048)]
     uneven = [(16, 512)] if device.type == "cpu" else [(64, 2048)] if quick else [(64, 2048), (256, 8192)]
+    steps = [(1, 512), (8, 2048)] if device.type == "cpu" else [(1, 8192), (64, 2048)]
     return ([("decode", b, c) for b, c in decode] + [("decode in-order", b, c) for b, c in in_order]
-            + [("decode uneven", b, c) for b, c in uneven]
+            + [("decode uneven", b, c) for b, c in uneven] + [("decode step", b, c) for b, c in steps]
             + [("prefill", s, t) for s, t in prefill] + [("mixed", d, t) for d, t in mixed])
 
 
@@ -137,6 +143,35 @@ def _decode(batch: int, context: int, dtype: torch.dtype, device: torch.device,
     keys = int(lens.sum())
     moved = 2 * keys * KV_HEADS * HEAD_DIM * k_cache.element_size() + 2 * q.numel() * q.element_size()
     return candidates, {"bytes": moved, "flops": 4 * Q_HEADS * HEAD_DIM * keys}, args
+
+
+def _decode_step(batch: int, context: int, dtype: torch.dtype, device: torch.device) -> tuple[dict, dict, tuple]:
+    """The last of ``context`` keys written and attended to, on the paged side and on HF eager's."""
+    k_cache, v_cache, table = _paged_cache(batch, context, dtype, device, in_order=True)
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, device=device, dtype=dtype)
+    key, value = (torch.randn(batch, KV_HEADS, HEAD_DIM, device=device, dtype=dtype) for _ in range(2))
+    cu = torch.arange(batch + 1, device=device, dtype=torch.int32)
+    lens = torch.full((batch,), context, device=device, dtype=torch.int32)
+    last = (context - 1) // BLOCK_SIZE
+    slots = (table[:, last].long() * BLOCK_SIZE + (context - 1) % BLOCK_SIZE)  # each sequence's last position
+    args = (q, k_cache, v_cache, table, cu, lens, HEAD_DIM**-0.5, None, None, None, 1, context)
+
+    def ours() -> torch.Tensor:
+        write_kv_cache(key, value, k_cache, v_cache, slots)
+        return paged_attention(q, k_cache, v_cache, table, cu, lens, max_q_len=1, max_kv_len=context)
+
+    # the same cached keys, as a DynamicCache holds them: [B, Hkv, context - 1, D]
+    past_k, past_v = (cache.view(batch, -1, KV_HEADS, HEAD_DIM)[:, :context - 1].transpose(1, 2).contiguous()
+                      for cache in (k_cache, v_cache))
+    q4, new_k, new_v = q[:, :, None], key[:, :, None], value[:, :, None]
+
+    def hf_eager() -> torch.Tensor:  # DynamicCache.update, then the SDPA attention function
+        k, v = torch.cat([past_k, new_k], dim=-2), torch.cat([past_v, new_v], dim=-2)
+        return torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+
+    moved = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size() + 2 * q.numel() * q.element_size()
+    return ({"hw_agnostic": ours, "hf_eager": hf_eager},
+            {"bytes": moved, "flops": 4 * batch * Q_HEADS * HEAD_DIM * context}, args)
 
 
 def _flashinfer_decode(infer: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -230,7 +265,8 @@ def _write_tokens(device: torch.device) -> tuple[int, ...]:
 
 def count(device: torch.device, quick: bool, only: Callable[[str], bool] = lambda label: True) -> int:
     providers = 2 if device.type == "cpu" else 4  # hw_agnostic and SDPA; FlashAttention, FlashInfer on GPUs
-    attention = sum((2 if item[0] == "mixed" else providers) * only(_label(*item)) for item in _grid(device, quick))
+    attention = sum((2 if item[0] in ("mixed", "decode step") else providers) * only(_label(*item))
+                    for item in _grid(device, quick))
     return attention + sum(only(f"write_kv_cache {t}") for t in _write_tokens(device))
 
 
@@ -246,12 +282,14 @@ def run(device: torch.device, *, quick: bool, log: Callable[[str], None],
             log(f"[{index}/{len(grid)}] skip {kind} {count}x{length}: {cache_bytes / 2**30:.0f} GiB per cache")
             continue
         names = {"decode": ("batch", "context"), "decode in-order": ("batch", "context"),
-                 "decode uneven": ("batch", "context"), "prefill": ("seqs", "tokens"),
+                 "decode uneven": ("batch", "context"), "decode step": ("batch", "context"),
+                 "prefill": ("seqs", "tokens"),
                  "mixed": ("decodes", "prompt")}[kind]
         log(f"[{index}/{len(grid)}] {_label(kind, count, length)} ({names[0]}={count} {names[1]}={length})")
         with torch.inference_mode():
             build = {"decode": _decode, "decode in-order": functools.partial(_decode, in_order=True),
-                     "decode uneven": functools.partial(_decode, uneven=True), "prefill": _prefill,
+                     "decode uneven": functools.partial(_decode, uneven=True), "decode step": _decode_step,
+                     "prefill": _prefill,
                      "mixed": _mixed}[kind]
             candidates, work, args = build(count, length, dtype, device)
             plan = paged_attention_op.plan(*args)

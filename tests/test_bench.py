@@ -237,6 +237,19 @@ def test_decode_suite_times_eager_and_compiled_static_steps_of_a_tiny_model():
         assert math.isclose(row["tokens_per_s"], 2 / (row["time_us"] * 1e-6))
 
 
+@pytest.mark.parametrize("batch, context", [(1, 17), (3, 40)])
+def test_a_decode_step_row_computes_what_hf_eager_computes(batch, context):
+    """The decode-step rows' two sides attend over the same keys: the paged write and attention give
+    HF eager's cache concatenation and SDPA (fp32 on the CPU's reference; twice, as the timing repeats it)."""
+    from bench import attention_suite
+
+    candidates, work, _ = attention_suite._decode_step(batch, context, torch.float32, torch.device("cpu"))
+    assert set(candidates) == {"hw_agnostic", "hf_eager"} and work["bytes"] > 0 and work["flops"] > 0
+    want = candidates["hf_eager"]()[:, :, 0]
+    for _ in range(2):
+        torch.testing.assert_close(candidates["hw_agnostic"](), want)
+
+
 def test_a_mixed_attention_row_computes_what_its_parts_compute(monkeypatch):
     """The mixed rows' baseline is the same attention: the prompt's and the decode steps' outputs of
     the two separate calls are the mixed call's rows (GPU rows; checked here on the CPU's reference)."""
