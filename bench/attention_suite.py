@@ -75,7 +75,7 @@ def _grid(device: torch.device, quick: bool) -> list[tuple[str, int, int]]:
         prefill = [(s, t) for s in (1, 4, 8) for t in (512, 2048, 8192)]
         mixed = [(d, t) for d in (15, 63, 255) for t in (512, 2048)]
     uneven = [(16, 512)] if device.type == "cpu" else [(64, 2048)] if quick else [(64, 2048), (256, 8192)]
-    steps = [(1, 512), (8, 2048)] if device.type == "cpu" else [(1, 8192), (64, 2048)]
+    steps = [(1, 512), (8, 2048)] if device.type == "cpu" else [(1, 8192)] if quick else [(1, 8192), (64, 2048)]
     return ([("decode", b, c) for b, c in decode] + [("decode in-order", b, c) for b, c in in_order]
             + [("decode uneven", b, c) for b, c in uneven] + [("decode step", b, c) for b, c in steps]
             + [("prefill", s, t) for s, t in prefill] + [("mixed", d, t) for d, t in mixed])
