@@ -292,7 +292,8 @@ class _ReferenceAttention:
         a batch's gathered pages (padded to its longest) below :attr:`MAX_GATHER_BYTES`, and its
         longest at most twice its shortest (one length unless ``uneven``), so padding at most doubles
         the keys read. One call per length was most of a batch of different lengths (continuous
-        batching): 16 decodes of 64-128 keys at 8 heads of 64, 1.55 ms against 0.78."""
+        batching): 16 decodes of 64-128 keys at 8 heads of 64 took 1.55 ms, batched 0.63 (with the
+        block table checked in one pass)."""
         chunks: list[list[int]] = []
         chunk: list[int] = []
         shortest = 0
