@@ -600,10 +600,7 @@ class _PagedState:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.base_forward = self.forward_recipe() if self.forward_recipe is not None else None
-
-    def use_forward(self, forward: Callable[..., Any], recipe: Callable[[], Callable[..., Any]]) -> None:
-        self.base_forward, self.forward_recipe = forward, recipe
+        self.base_forward = self.forward_recipe()
 
     def hand(self, batch: Any) -> None:
         """Leave ``batch`` for this thread's next :meth:`take` (None: nothing)."""
@@ -679,10 +676,9 @@ class PagedAttention(PluggableLayer):
         layer = resolve("paged_attention")
         base = type(module)
         positional, cache_name, passes_window = _call_shape(base.forward)
-        state = _PagedState(bind_cache, attention_config, module.config, block_size, positional, cache_name,
-                            passes_window, direct=direct)
-        state.use_forward(base.forward, class_forward(base))
-        module.__dict__[_STATE] = state
+        module.__dict__[_STATE] = _PagedState(bind_cache, attention_config, module.config, block_size, positional,
+                                              cache_name, passes_window, base_forward=base.forward,
+                                              forward_recipe=class_forward(base), direct=direct)
         module.__class__ = _paged_class(layer, base)
         module.config = attention_config
         return module
@@ -707,7 +703,7 @@ class PagedAttention(PluggableLayer):
             forward, recipe = base.forward, class_forward(base)
         elif recipe is None:
             raise ValueError("use_forward: a forward other than the class's own needs the recipe that makes it again")
-        state.use_forward(forward, recipe)
+        state.base_forward, state.forward_recipe = forward, recipe
 
     @staticmethod
     def forward_of(module: nn.Module) -> Callable[..., Any]:

@@ -125,10 +125,7 @@ def _check_blocks(op: str, blocks: Tensor, used: Optional[Tensor], num_blocks: i
     low, high = (int(v) for v in torch.aminmax(read))  # one op, where naming the bad entry takes four
     if low < 0 or high >= num_blocks:
         bad = (blocks < 0) | (blocks >= num_blocks)
-        found = (bad if used is None else bad & used).nonzero()
-        if not found.numel():  # only the 0 filling unused entries, in a cache of no blocks
-            return
-        row, column = (int(i) for i in found[0])
+        row, column = (int(i) for i in (bad if used is None else bad & used).nonzero()[0])
         raise ValueError(
             f"{op}: block_table[{row}, {column}] = {int(blocks[row, column])} is not a block of the "
             f"cache (num_blocks = {num_blocks})"
@@ -273,7 +270,7 @@ class _ReferenceAttention:
                 blocks = block_table[seq: seq + 1, : -(-kv_len // block_size)]
                 out[start:end] = self._attend(q[None, start:end], k_cache, v_cache, blocks, kv_len, scale,
                                               sliding_window)[0]
-        uneven = _merges_slots(k_cache) and _merges_slots(v_cache)  # else one length per call
+        uneven = caches_flatten(k_cache, v_cache)  # token-level gathers read slot rows; else one length per call
         for seqs in self._decode_chunks(decode, row_bytes, uneven):
             index = torch.tensor(seqs, device=q.device)
             rows = cu_seqlens_q[index].long()
@@ -316,8 +313,7 @@ class _ReferenceAttention:
         longest's count, the positions past its own filled with its first key and masked (with its
         window). Only keys the sequence wrote are read: a page past them holds anything (another
         sequence's keys, memory never written, NaN), and SDPA lets a NaN through a mask (0 * NaN)."""
-        batch, num_q_heads, head_dim = queries.shape
-        block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+        batch, block_size = queries.shape[0], k_cache.shape[1]
         keys = blocks.shape[1] * block_size
         counts = torch.tensor(lengths, device=queries.device)[:, None]
         position = torch.arange(keys, device=queries.device)
@@ -328,13 +324,9 @@ class _ReferenceAttention:
             visible &= position >= counts - sliding_window
 
         def pages(cache: Tensor, slot: int) -> Tensor:  # [b, Hkv, keys, D]
-            rows = cache.view(-1, *cache.shape[2:])  # blocks x slots as one dim (see _merges_slots)
-            return _gathered(rows, slots, slot).view(batch, keys, *cache.shape[2:]).transpose(1, 2)
+            return _gathered(slot_view(cache), slots, slot).view(batch, keys, *cache.shape[2:]).transpose(1, 2)
 
-        grouped = queries.reshape(batch, kv_heads, num_q_heads // kv_heads, head_dim)  # as in _attend
-        attended = torch.nn.functional.scaled_dot_product_attention(
-            grouped, pages(k_cache, 0), pages(v_cache, 1), attn_mask=visible[:, None, None, :], scale=scale)
-        return attended.reshape(batch, num_q_heads, head_dim)
+        return _grouped_decode(queries, pages(k_cache, 0), pages(v_cache, 1), scale, visible[:, None, None, :])
 
     @staticmethod
     def _attend(queries: Tensor, k_cache: Tensor, v_cache: Tensor, blocks: Tensor, kv_len: int, scale: float,
@@ -368,16 +360,7 @@ class _ReferenceAttention:
             # read the strided view faster (8 x 2048 decode: 17 against 44 ms with the copy).
             return heads_first.contiguous() if causal else heads_first
         if q_len == 1:
-            # One query per sequence: the query heads of a group read the same keys, so they are
-            # that group's query rows, unmasked, with no GQA expansion. CPU SDPA reads the strided
-            # page view about 3x faster that way than as GQA heads of one query row each (2048 keys
-            # at Llama-3-8B's heads: 0.45 against 1.3 ms; about what it takes on contiguous K/V).
-            batch, _, num_q_heads, head_dim = queries.shape
-            kv_heads = k_cache.shape[2]
-            grouped = queries.reshape(batch, kv_heads, num_q_heads // kv_heads, head_dim)
-            attended = torch.nn.functional.scaled_dot_product_attention(grouped, pages(k_cache, 0),
-                                                                        pages(v_cache, 1), scale=scale)
-            return attended.reshape(batch, 1, num_q_heads, head_dim)
+            return _grouped_decode(queries[:, 0], pages(k_cache, 0), pages(v_cache, 1), scale)[:, None]
         attended = torch.nn.functional.scaled_dot_product_attention(
             queries.transpose(1, 2), pages(k_cache, 0), pages(v_cache, 1), attn_mask=mask, is_causal=causal,
             scale=scale, enable_gqa=True)
@@ -389,6 +372,20 @@ _EAGER_ATTENTION = _ReferenceAttention(paged_attention_reference)
 
 #: per thread, the buffers scattered blocks are gathered into: ``{(slot, dtype, device): flat tensor}``
 _gather_buffers = threading.local()
+
+
+def _grouped_decode(queries: Tensor, keys: Tensor, values: Tensor, scale: float,
+                    mask: Optional[Tensor] = None) -> Tensor:
+    """``[b, Hq, D]``: one query per sequence over ``keys`` / ``values`` ``[b, Hkv, n, D]``.
+
+    The query heads of a KV head read the same keys, so they are that head's query rows (unmasked
+    by position, no GQA expansion). CPU SDPA reads the strided page view about 3x faster that way
+    than as GQA heads of one query row each (2048 keys at Llama-3-8B's heads: 0.45 against 1.3 ms;
+    about what it takes on contiguous K/V)."""
+    batch, num_q_heads, head_dim = queries.shape
+    grouped = queries.reshape(batch, keys.shape[1], num_q_heads // keys.shape[1], head_dim)
+    attended = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
+    return attended.reshape(batch, num_q_heads, head_dim)
 
 
 def _gathered(cache: Tensor, blocks: Tensor, slot: int) -> Tensor:
@@ -413,11 +410,6 @@ def _gathered(cache: Tensor, blocks: Tensor, slot: int) -> Tensor:
     if buffer is None or buffer.numel() < count:
         buffer = buffers[key] = torch.empty(count, dtype=cache.dtype, device=cache.device)
     return torch.index_select(cache, 0, blocks, out=buffer[:count].view(shape))
-
-
-def _merges_slots(cache: Tensor) -> bool:
-    """Whether a cache's block and slot dims view as one (token-level gathers read it so)."""
-    return cache.shape[0] <= 1 or cache.stride(0) == cache.shape[1] * cache.stride(1)
 
 
 def _finite(tensor: Tensor) -> bool:
