@@ -158,3 +158,19 @@ def test_checked_replays_catch_a_host_code_that_reads_values(checked_replays):
     launch(torch.full((4, 8), 2.0), torch.empty(4, 8), 0.5)  # the same values: the same launch
     with pytest.raises(AssertionError, match="bound launch"):
         launch(torch.full((4, 8), 3.0), torch.empty(4, 8), 0.5)
+
+
+def test_bindings_of_one_launch_shape_compile_their_replay_once():
+    """A decode step's paged attention rebinds at every context length (a new ``max_kv_len``, the same
+    launches): the replay's code is compiled once, and each binding still launches its own integers."""
+    host, launched = _Host(), []
+    launch_binding._compiled.cache_clear()
+    for rows in (4, 5, 6):
+        launch = _bound(host, launched)
+        for _ in range(2):
+            x, out = torch.randn(rows, 8), torch.empty(rows, 8)
+            launch(x, out, float(rows))
+            assert launched[-1][1:3] == ((rows,), (x, out, 8, float(rows)))
+    assert host.calls == 3
+    info = launch_binding._compiled.cache_info()
+    assert (info.misses, info.hits) == (1, 2)

@@ -23,6 +23,8 @@ tests set it) runs the host code beside every replay and compares the launches.
 from __future__ import annotations
 
 import copy
+import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -149,5 +151,13 @@ def _replay_function(launches: list[_Launch], args: tuple[Any, ...]) -> _Replay 
     same = [f"a[{group[0]}] is a[{other}]" for group in sorted(aliased) for other in group[1:]]
     check = [f"    if not ({' and '.join(same)}):", "        return False"] if same else []
     source = "\n".join(["def replay(a, launch):", *check, *lines, "    return True"]) + "\n"
-    exec(compile(source, "<bound launch>", "exec"), namespace)  # noqa: S102 - source built from positions only
+    exec(_compiled(source), namespace)  # noqa: S102 - source built from positions only
     return namespace["replay"]
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(source: str) -> types.CodeType:
+    """The code of a replay's source. Sources repeat: a decode step's paged attention gets a new call
+    signature at every context length (its ``max_kv_len``) and rebinds to the same launches; compiling
+    took about 150 µs of each step's host time, running the compiled code a few."""
+    return compile(source, "<bound launch>", "exec")
