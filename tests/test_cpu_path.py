@@ -654,6 +654,40 @@ def test_threads_gather_into_their_own_buffers():
     assert wrong == []
 
 
+
+def test_what_a_call_under_inference_mode_keeps_serves_later_calls_outside_it():
+    """The CPU path keeps tensors between calls (the thread's gather buffers, the routing tie-breaks);
+    made inside ``torch.inference_mode`` they are still normal tensors: a later call outside that mode
+    writes the buffers, and autograd may save the tie-breaks (an inference tensor allows neither:
+    a rewire after an inference-mode call saw its attention raise and left it undone)."""
+    import threading
+
+    attention = importlib.import_module("hw_agnostic.ops.paged_attention")
+    route = importlib.import_module("hw_agnostic.ops.moe_route")
+    batch = _scattered([1, 1], [9, 20], torch.float32)
+    results: list = []
+
+    def attend() -> None:  # a thread of its own: gather buffers made in this test, under inference_mode
+        with torch.inference_mode():
+            attention._EAGER_ATTENTION(*batch)
+        assert all(not buffer.is_inference() for buffer in attention._gather_buffers.buffers.values())
+        with torch.no_grad():
+            results.append(attention._EAGER_ATTENTION(*batch))
+
+    thread = threading.Thread(target=attend)
+    thread.start()
+    thread.join()
+    assert len(results) == 1
+    assert_close(results[0], _float64_spec(batch), torch.float32)
+
+    experts = 13  # an expert count no other test routes over: its tie-breaks are made here
+    route._tie_breaks.pop((experts, torch.device("cpu")), None)
+    scores = torch.softmax(torch.randn(4, experts), dim=-1)
+    with torch.inference_mode():
+        route._top_keyed(scores, 2)
+    tracked = scores.clone().requires_grad_()
+    assert torch.equal(route._top_keyed(tracked, 2), route._top(scores, 2))
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_the_cpu_attentions_finiteness_check(dtype):
     """A NaN or an infinity anywhere is seen; finite values whose sum overflows a 16-bit dtype are

@@ -300,9 +300,10 @@ def _tiled_order(query_heads: int, heads: int, stored: int, device: torch.device
     filled from stored head ``(that) % stored``; the kernel gives query head ``i`` stored head
     ``i // (query_heads // stored)``. Sorting the query heads by the stored head they read (stably)
     lines the two up."""
-    reads = (torch.arange(query_heads) // (query_heads // heads)) % stored
-    forward = torch.argsort(reads, stable=True)
-    return HeadOrder(forward.to(device), torch.argsort(forward).to(device))
+    with torch.inference_mode(False):  # cached: normal tensors even when first asked for inside inference_mode
+        reads = (torch.arange(query_heads) // (query_heads // heads)) % stored
+        forward = torch.argsort(reads, stable=True)
+        return HeadOrder(forward.to(device), torch.argsort(forward).to(device))
 
 
 def _fallback(module: nn.Module) -> Callable[..., Any]:

@@ -87,7 +87,8 @@ def _as_fp32(parameter: Tensor) -> Tensor:
     kept = _fp32_copies.get(key)
     if kept is not None and kept[0]() is parameter and kept[1] == place and kept[2] == version:
         return kept[3]
-    copy = parameter.detach().float()
+    with torch.inference_mode(False):  # kept: a normal tensor, which autograd may save, even if made in that mode
+        copy = parameter.detach().float()
     if kept is None or kept[0]() is not parameter:
         weakref.finalize(parameter, _fp32_copies.pop, key, None)
     _fp32_copies[key] = (weakref.ref(parameter), place, version, copy)

@@ -151,9 +151,12 @@ def _top_keyed(scores: Tensor, k: int) -> Tensor:
     experts = scores.shape[-1]
     tie_break = _tie_breaks.get((experts, scores.device))
     if tie_break is None:
-        reversed_index = torch.arange(experts - 1, -1, -1, dtype=torch.float64, device=scores.device)
-        tie_break = _tie_breaks[(experts, scores.device)] = (1 + reversed_index * 2.0 ** -40,
-                                                              reversed_index * 2.0 ** -1000)
+        # normal tensors even when made inside inference_mode: kept for later calls, which autograd
+        # may record (an inference tensor cannot be saved for backward)
+        with torch.inference_mode(False):
+            reversed_index = torch.arange(experts - 1, -1, -1, dtype=torch.float64, device=scores.device)
+            tie_break = _tie_breaks[(experts, scores.device)] = (1 + reversed_index * 2.0 ** -40,
+                                                                  reversed_index * 2.0 ** -1000)
     factor, offset = tie_break
     # fp32 scores into fp64 keys inside addcmul's kernel (type promotion; every fp32 is an fp64): no
     # separate cast, 30 -> 20 us at 256 x 128

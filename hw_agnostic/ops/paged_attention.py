@@ -408,7 +408,10 @@ def _gathered(cache: Tensor, blocks: Tensor, slot: int) -> Tensor:
     key = (slot, cache.dtype, cache.device)
     buffer = buffers.get(key)
     if buffer is None or buffer.numel() < count:
-        buffer = buffers[key] = torch.empty(count, dtype=cache.dtype, device=cache.device)
+        # a normal tensor even when made inside inference_mode: it outlives the call, and an inference
+        # tensor cannot be written outside that mode
+        with torch.inference_mode(False):
+            buffer = buffers[key] = torch.empty(count, dtype=cache.dtype, device=cache.device)
     return torch.index_select(cache, 0, blocks, out=buffer[:count].view(shape))
 
 

@@ -189,6 +189,20 @@ def test_fp32_router_inputs_follow_every_change_of_the_weight():
     assert key not in moe._fp32_copies  # the copy leaves with its parameter
 
 
+def test_an_fp32_router_copy_made_under_inference_mode_serves_autograd():
+    """A frozen 16-bit router weight's fp32 copy, first made inside ``torch.inference_mode``, is kept
+    as a normal tensor: a later call that autograd records (a trained input, LoRA-style) saves it."""
+    from hw_agnostic.layers.moe import RoutingSpec, router_logits
+
+    spec = RoutingSpec(2, "sigmoid", logits="fp32_inputs")
+    weight = nn.Parameter(torch.randn(8, 16).bfloat16(), requires_grad=False)
+    hidden = torch.randn(3, 16).bfloat16().requires_grad_()
+    with torch.inference_mode():
+        router_logits(spec, hidden.detach(), weight)
+    router_logits(spec, hidden, weight).sum().backward()
+    assert hidden.grad is not None and hidden.grad.abs().sum() > 0
+
+
 def _hooked(kind: str, module: torch.nn.Module, seen: list[str]) -> object:
     """Give ``module`` what ``kind`` names and return its handle (or an undo); ``seen`` records its use."""
     record = lambda *a, **k: seen.append(kind)  # noqa: E731
