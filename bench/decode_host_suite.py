@@ -38,9 +38,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from hw_agnostic import rewire
 from hw_agnostic.kernels import targets
 
+from .rewired import rewired
 from .timing import Timing
 
 LLAMA3_8B_ATTENTION = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=16, rope_theta=500000.0,
@@ -65,11 +65,12 @@ def _config(layers: int) -> Any:
     return config
 
 
-def build(provider: str, layers: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+def build(provider: str, layers: int, dtype: torch.dtype = torch.bfloat16,
+          log: Callable[[str], None] = print) -> torch.nn.Module:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config(layers), dtype=dtype).eval()
     if provider == "hw_agnostic":
-        rewire(model)
+        rewired(model, log, "decode host")
     return model
 
 
@@ -108,9 +109,9 @@ class LaunchCount(TorchDispatchMode):
 class Decoding:
     """One provider at one depth: a prefilled cache and a decode step, cropped back between samples."""
 
-    def __init__(self, provider: str, layers: int, dtype: torch.dtype) -> None:
+    def __init__(self, provider: str, layers: int, dtype: torch.dtype, log: Callable[[str], None] = print) -> None:
         self.provider, self.layers = provider, layers
-        self.model = build(provider, layers, dtype)
+        self.model = build(provider, layers, dtype, log)
         generator = torch.Generator().manual_seed(1)
         vocab = NARROW["vocab_size"]
         self.context = torch.randint(0, vocab, (1, CONTEXT - 1), generator=generator)
@@ -182,8 +183,8 @@ def _measure(min_time_s: float, log: Callable[[str], None], mode: str) -> list[d
     rows = []
     grad_mode = MODES[mode]
     with torch.no_grad():  # rewire verifies on real kernels or the reference: outside inference_mode
-        counted = [Decoding(provider, layers, COUNTED_DTYPE) for provider in PROVIDERS for layers in DEPTHS]
-        timed = [Decoding(provider, layers, TIMED_DTYPE) for provider in PROVIDERS for layers in DEPTHS]
+        counted = [Decoding(provider, layers, COUNTED_DTYPE, log) for provider in PROVIDERS for layers in DEPTHS]
+        timed = [Decoding(provider, layers, TIMED_DTYPE, log) for provider in PROVIDERS for layers in DEPTHS]
     with grad_mode(), targets.compile_for([TARGET], run_reference=False, compile=False):
         for decoding in counted + timed:  # warm-up: plans built, first-call work done
             for _ in range(3):

@@ -29,10 +29,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
-from hw_agnostic import rewire
-
 from .model_suite import _config, _linear_params
 from .model_suite import _row as model_row
+from .rewired import rewired
 from .timing import matmul_tflops, measure_all
 
 LAYERS = 4
@@ -65,14 +64,15 @@ def run(device: torch.device, *, quick: bool, log: Callable[[str], None],
                               dtype=torch.bfloat16, graphed=GRAPHED)
 
 
-def build(device: torch.device, config: Any, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
+def build(device: torch.device, config: Any, dtype: torch.dtype,
+          log: Callable[[str], None] = print) -> tuple[torch.nn.Module, torch.nn.Module]:
     """HF's model (SDPA) and its rewired copy."""
     torch.manual_seed(0)
     config._attn_implementation = "sdpa"
     with torch.device(device):
         hf = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     ours = copy.deepcopy(hf)
-    rewire(ours)
+    rewired(ours, log, "decode suite")
     return hf, ours
 
 
@@ -81,7 +81,7 @@ def measure_decode(device: torch.device, shapes: list[tuple[int, int]], *, confi
                    graphed: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """The rows of every (batch, context) in ``shapes`` for a model of ``config`` (see the module
     docstring); ``graphed`` is the ``torch.compile`` of the graphed rows."""
-    hf, ours = build(device, config, dtype)
+    hf, ours = build(device, config, dtype, log)
     compiled = {"hw_agnostic": torch.compile(ours, **graphed), "hf_graphs": torch.compile(hf, **graphed)}
     params = _linear_params(hf)
     ceiling = matmul_tflops(device, dtype=dtype)

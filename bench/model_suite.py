@@ -17,8 +17,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from hw_agnostic import rewire
-
+from .rewired import rewired
 from .timing import matmul_tflops, measure_all
 
 LLAMA3_8B_WIDTHS = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -51,7 +50,7 @@ def run(device: torch.device, *, quick: bool, log: Callable[[str], None],
     with torch.device(device):  # initialised where it runs: ~0.9B random parameters take minutes on the host
         hf = AutoModelForCausalLM.from_config(_config(device), dtype=dtype).eval()
     ours = copy.deepcopy(hf)
-    report = rewire(ours)
+    report = rewired(ours, log, "model suite")
     log(f"model suite: rewired {len(report.replaced)} modules, fused {len(report.fused)} layers")
     models = {"hw_agnostic": ours, "hf_eager": hf, "hf_compile": torch.compile(hf, dynamic=None)}
     params = _linear_params(hf)

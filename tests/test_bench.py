@@ -261,3 +261,22 @@ def test_a_mixed_attention_row_computes_what_its_parts_compute(monkeypatch):
     mixed = candidates["hw_agnostic"]()
     prompt, decodes = candidates["hw_agnostic_apart"]()
     torch.testing.assert_close(torch.cat([prompt, decodes]), mixed)
+
+
+def test_a_bench_model_rewire_left_partly_says_so():
+    """A suite's rows of a partly rewired model measure less of the library: the log says which modules
+    were left and why (decode host's rows once measured a model whose attention rewire had undone)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bench.rewired import rewired
+
+    def tiny(family: str) -> torch.nn.Module:
+        config = AutoConfig.for_model(family, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+        return AutoModelForCausalLM.from_config(config).eval()
+
+    logged: list[str] = []
+    assert not rewired(tiny("llama"), logged.append, "some suite").left and not logged
+    report = rewired(tiny("diffllama"), logged.append, "some suite")  # its attention is declined
+    assert report.left and len(logged) == 1
+    assert logged[0].startswith("some suite: WARNING: rewire left") and "DiffLlamaAttention" in logged[0]
