@@ -219,6 +219,26 @@ def test_layer_norms_of_nn_layer_norm_numerics_run_its_aten_kernel():
     assert many_fp32_rows.run.__qualname__.endswith("native.<locals>.norm"), many_fp32_rows.describe()
 
 
+def test_layer_norms_without_avx512_run_atens_kernel_but_in_place_from_32_mib(monkeypatch):
+    """Where ATen's kernels are not AVX-512 ones (AVX2, Arm), F.layer_norm is faster at every size
+    but the in-place form's largest (a fresh 32 MiB output faults in every call)."""
+    monkeypatch.setattr(layer_norm, "_avx512", lambda: False)
+    ops.reset()
+    weight, bias = torch.randn(64), torch.randn(64)
+
+    def runs_native(op: object, rows: int, dtype: torch.dtype) -> bool:
+        x = torch.randn(rows, 64, dtype=dtype)
+        args = (x, weight, bias) if op is layer_norm.layer_norm_op else (x, torch.randn_like(x), weight, bias)
+        return getattr(op.plan(*args, 1e-5, "fp32").run, "__qualname__", "").startswith("_native.<locals>")
+
+    for dtype in (torch.bfloat16, torch.float32):
+        assert runs_native(layer_norm.layer_norm_op, 4096, dtype)
+        assert runs_native(layer_norm.fused_add_layer_norm_op, 4096, dtype)
+    inplace = layer_norm.fused_add_layer_norm_inplace_op
+    assert runs_native(inplace, 2048, torch.bfloat16) and not runs_native(inplace, 2049, torch.bfloat16)
+    assert runs_native(inplace, 1024, torch.float32) and not runs_native(inplace, 1025, torch.float32)
+
+
 ROTARY_CASES = [
     *(c for c in rotary_tests.CASES if c.config is None),
     rotary_tests.rotary_case(2, 3, 3, 1, 20, torch.bfloat16, layout="fused_qkv"),  # not dense: laid out anew

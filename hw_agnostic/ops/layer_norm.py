@@ -33,6 +33,7 @@ each other or the parameters, and the result dtype must be ``x``'s.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
@@ -230,8 +231,10 @@ def _key(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], numerics: 
 _HALVES = (torch.bfloat16, torch.float16)
 #: While the reference is compiled, the native form runs on these bucketed row counts (inclusive
 #: ranges, None: no bound) per form and 16-bit (True) or fp32 (False) rows; the compiled reference,
-#: faster there, on the others. Measured on an Intel Xeon (2 threads), 4096 wide, median us, native
-#: against compiled (HF eager's module in brackets):
+#: faster there, on the others. Which is faster depends on the CPU's vector unit: this table holds on
+#: CPUs whose ATen kernels are AVX-512 ones (:func:`_avx512`); :data:`NATIVE_ROWS_OTHER` elsewhere.
+#: Measured on an Intel Xeon (2 threads), 4096 wide, median us, native against compiled (HF eager's
+#: module in brackets):
 #:
 #: - ``norm``: bf16 16 rows 19.9 / 21.5 (23.3), 32 rows 34.8 / 31.8, 128 rows 129 / 109; fp32 rows
 #:   natively at every size (16 rows 13.5 / 22.5, 128 rows 91 / 133, 256 rows 175 / 228).
@@ -246,11 +249,30 @@ NATIVE_ROWS: dict[tuple[str, bool], tuple[tuple[int, Optional[int]], ...]] = {
     ("add", True): ((0, 2),), ("add", False): ((0, None),),
     ("add_inplace", True): ((0, 1),), ("add_inplace", False): ((0, 1), (16, 32)),
 }
+#: :data:`NATIVE_ROWS` on CPUs without AVX-512 (AVX2, Arm): ATen's kernel is faster at every size but
+#: the in-place form's largest, where F.layer_norm's fresh output (32 MiB and up, which the allocator
+#: maps anew on every call) pays a page fault per 4 KiB. Measured on an AMD EPYC (Zen 3, AVX2, 2
+#: threads), 4096 wide, median us, native against compiled: ``norm`` bf16 16 rows 33.5 / 42.0, 256 rows
+#: 420 / 494, 4096 rows 20.2 / 25.5 ms, fp32 16 rows 18.9 / 47.3; ``add`` bf16 16 rows 40.5 / 56.7, 4096
+#: rows 35.1 / 38.0 ms, fp32 256 rows 305 / 662; ``add_inplace`` bf16 1 row 9.9 / 17.7, 2048 rows 4.1 /
+#: 4.5 ms, 4096 rows 22.3 / 9.8 ms; fp32 1024 rows 1.8 / 2.2 ms, 2048 rows 39.2 / 5.6 ms.
+NATIVE_ROWS_OTHER: dict[tuple[str, bool], tuple[tuple[int, Optional[int]], ...]] = {
+    ("norm", True): ((0, None),), ("norm", False): ((0, None),),
+    ("add", True): ((0, None),), ("add", False): ((0, None),),
+    ("add_inplace", True): ((0, 2048),), ("add_inplace", False): ((0, 1024),),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _avx512() -> bool:
+    """Whether ATen runs its AVX-512 kernels here (``ATEN_CPU_CAPABILITY`` can lower it)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def _native_rows(form: str, key: LayerNormKey) -> bool:
+    table = NATIVE_ROWS if _avx512() else NATIVE_ROWS_OTHER
     return any(low <= key.tokens and (high is None or key.tokens <= high)
-               for low, high in NATIVE_ROWS[(form, key.dtype in _HALVES)])
+               for low, high in table[(form, key.dtype in _HALVES)])
 
 
 def _native_dtypes(key: LayerNormKey) -> bool:
