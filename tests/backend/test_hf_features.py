@@ -194,6 +194,8 @@ def test_a_model_pickled_here_loads_in_a_fresh_process(tmp_path):
         torch.save(model(ids).logits, tmp_path / "logits.pt")
     script = (
         "import sys, torch\n"
+        # bit-equal logits need the same intra-op threads (how CPU kernels split their reductions)
+        f"torch.set_num_threads({torch.get_num_threads()})\n"
         "saved = torch.load(sys.argv[1], weights_only=False)\n"
         "with torch.no_grad():\n"
         "    logits = saved['model'](saved['ids']).logits\n"
