@@ -408,6 +408,22 @@ def test_activations_are_bit_identical_to_the_reference(activation, case):
         _assert_same_bits(got, want)
 
 
+@pytest.mark.parametrize("name,options", [("silu_and_mul", ()), ("swiglu_oai", (1.702, 7.0, True))])
+def test_a_repeated_activation_call_runs_the_faster_of_its_bit_identical_forms(name, options):
+    """Bound to its call signature, a 16-bit activation times its fused compiled pass (swiglu_oai:
+    with the halves copied apart) against the eager chain on its first calls and keeps the faster;
+    every call, timed or not, gives the reference's bits."""
+    from hw_agnostic.ops.faster_form import TIMED_CALLS, FasterForm
+
+    op = ops.get_op(name)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    want = op.reference(x, *options)
+    for _ in range(2 * (TIMED_CALLS + 1) + 2):
+        _assert_same_bits(op(x, *options), want)
+    [(_, run)] = op._checked.values()
+    assert isinstance(run, FasterForm) and run.chosen in run.forms
+
+
 #: fp32 swiglu_oai: (leading dims, I, interleaved, what runs it). Interleaved rows are fused as they
 #: lie up to _GATHER_MAX_ROWS rows and from _GATHER_MIN_BYTES of input (730 x 5760 fp32), copied apart
 #: between; the chain runs an output whose element count leaves a vector tail (37, 3 x 100).

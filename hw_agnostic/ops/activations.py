@@ -22,6 +22,7 @@ from ..kernels.launch_binding import bindable
 from ..kernels.runtime import helion_available
 from . import checks
 from .compiled_reference import CompiledReference
+from .faster_form import FasterForm
 from .registry import Op, Provider
 
 GELU_APPROXIMATIONS = ("none", "tanh")
@@ -62,7 +63,11 @@ def swiglu_oai_reference(x: Tensor, alpha: float, limit: float, interleaved: boo
 # or into buffers the chain no longer reads, so bit-identical too with at most one intermediate
 # allocated besides the result (a fresh buffer costs page faults per 4 KiB at large sizes and an
 # allocator call at decode sizes). Inductor's erf and tanh round differently from ATen's (GELU, in
-# 16 bits too); fp32 swiglu_oai: see below.
+# 16 bits too); fp32 swiglu_oai: see below. The two forms trade places with the CPU and the sizes
+# (on an AVX2 EPYC the chain is faster from 256 rows: silu_and_mul 256 x 2048 bf16 413 against 483
+# us, swiglu_oai 256 x 2880 1828 against 2075), so a repeated call signature (dispatch binds one)
+# runs whichever its first calls time faster (:class:`.faster_form.FasterForm`); a first call runs
+# the fused pass.
 
 
 def _silu_and_mul_lean(x: Tensor) -> Tensor:
@@ -128,13 +133,16 @@ class _ReferenceActivation:
         return compiled(x, *options)
 
     def bind(self, args: tuple) -> object:
-        """See :meth:`CompiledReference.bind`: the compiled entry for these arguments, or the chain."""
+        """See :meth:`CompiledReference.bind`: for these arguments the compiled entry or the chain,
+        whichever their first calls time faster (:class:`FasterForm`: the two compute the same bits;
+        which is faster varies with the CPU and the sizes)."""
         x, options = args[0], args[1:]
         compiled = self._compiled(x, options)
         if compiled is None:
             return self.chain
         if not self._copies_halves_apart(x, options):
-            return compiled.bind(args) or self.chain
+            entry = compiled.bind(args)
+            return self.chain if entry is None else FasterForm(entry, self.chain)
         apart = compiled.bind((x, *options[:-1], False))  # the gates-first copy has x's metadata
         if apart is None:
             return self.chain
@@ -142,7 +150,7 @@ class _ReferenceActivation:
         def run(x: Tensor, *options: object) -> Tensor:
             return apart(_gates_first(x), *options[:-1], False)
 
-        return run
+        return FasterForm(run, self.chain)
 
     def _compiled(self, x: Tensor, options: tuple) -> CompiledReference | None:
         """The compiled reference that runs ``x`` bit-identically, or None (the chain runs it)."""
