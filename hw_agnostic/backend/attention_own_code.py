@@ -117,7 +117,7 @@ def adopt_own_code(module: nn.Module, *, block_size: int = 16, own: Optional[_Ow
     positional, cache_name, passes_window = _call_shape(base.forward)
     config = getattr(module, "config", None)
     module.__dict__[_STATE] = _PagedState(_bind_own_code, config, config, block_size, positional, cache_name,
-                                          passes_window, base_forward=base.forward, forward_recipe=class_forward(base))
+                                          passes_window, forward_recipe=class_forward(base))
     module.__dict__[_OWN] = own if own is not None else _OwnState(strict=False)
     module.__class__ = _own_code_class(resolve("paged_attention"), base)
     return module

@@ -573,15 +573,16 @@ class _PagedState:
     # Whether the module passes its sliding window to the attention function. One that does not
     # gets its window from the cache evicting old tokens, which a paged view does not do.
     passes_window: bool
+    # What makes ``base_forward`` (the module's own class's forward, see PagedAttention.use_forward),
+    # here and where the state is unpickled: functions made at run time (transformers' decorators,
+    # the rotary routing's copies) pickle by name, which they do not have.
+    forward_recipe: Callable[[], Callable[..., Any]]
     kv: Optional[PagedKVCache] = None  # this layer's own paged view, for plain (non-batching) caches
     # What the binding hands the attention function for the call in progress, per thread (one
     # model may serve several threads at once): the paged batch, the transient pages of a forward
     # without a cache, or nothing (the module's own attention). See hand() and take().
     handed: dict[int, Any] = dataclasses.field(default_factory=dict)
-    base_forward: Optional[Callable[..., Any]] = None  # the module's own class's forward
-    # How ``base_forward`` is made again where the state is unpickled: functions made at run time
-    # (transformers' decorators, the rotary routing's copies) pickle by name, which they do not have.
-    forward_recipe: Optional[Callable[[], Callable[..., Any]]] = None
+    base_forward: Optional[Callable[..., Any]] = dataclasses.field(init=False, default=None)
     cache_names: tuple[str, ...] = ()  # every name a cache may arrive under
     # Why the kernel cannot serve this module (its masks are not causal ones), once seen: from
     # then on it runs its own attention over the K/V its pages hold.
@@ -592,6 +593,7 @@ class _PagedState:
 
     def __post_init__(self) -> None:
         self.cache_names = tuple(dict.fromkeys((*_CACHE_NAMES, self.cache_name)))
+        self.base_forward = self.forward_recipe()
 
     def __getstate__(self) -> dict[str, Any]:
         """What pickles (and deep-copies): the forward as its recipe, no call in progress, and not
@@ -677,8 +679,8 @@ class PagedAttention(PluggableLayer):
         base = type(module)
         positional, cache_name, passes_window = _call_shape(base.forward)
         module.__dict__[_STATE] = _PagedState(bind_cache, attention_config, module.config, block_size, positional,
-                                              cache_name, passes_window, base_forward=base.forward,
-                                              forward_recipe=class_forward(base), direct=direct)
+                                              cache_name, passes_window, forward_recipe=class_forward(base),
+                                              direct=direct)
         module.__class__ = _paged_class(layer, base)
         module.config = attention_config
         return module
