@@ -40,7 +40,7 @@ from hw_agnostic.autotune.platform import DeviceMismatch, device_model, largest_
 from hw_agnostic.cli import ArgumentParser
 
 from . import report
-from .timing import copy_bandwidth, matmul_tflops
+from .timing import copy_bandwidth, matmul_ceiling
 
 #: name -> module with ``run(device, *, quick, log[, only])`` yielding row dicts (and optionally
 #: ``count(device, quick[, only])``, the number of rows, for the progress line's ETA).
@@ -234,13 +234,15 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m bench") -> int
     status = "failed"
     try:
         copy = copy_bandwidth(device)
-        matmul = matmul_tflops(device)
-        meta.update(copy_gbps=copy.into_existing_gbps, clone_gbps=copy.clone_gbps, matmul_tflops=matmul)
+        ceiling = matmul_ceiling(device)
+        matmul = ceiling.tflops
+        meta.update(copy_gbps=copy.into_existing_gbps, clone_gbps=copy.clone_gbps, matmul_tflops=matmul,
+                    matmul_tflops_bf16=ceiling.bf16, matmul_tflops_fp32=ceiling.fp32)
         if previous is not None:
             meta["merged_into"] = previous
         meta_path.write_text(json.dumps(meta, indent=1) + "\n")
         progress.log(f"{platform} ({meta['device_name']}): copy {copy.into_existing_gbps:.1f} GB/s into an existing "
-                     f"buffer, {copy.clone_gbps:.1f} GB/s as clone(); bf16 matmul {matmul:.2f} TFLOP/s")
+                     f"buffer, {copy.clone_gbps:.1f} GB/s as clone(); {ceiling.describe()}")
         context = {"platform": platform, "device_name": meta["device_name"], "copy_gbps": copy.into_existing_gbps,
                    "clone_gbps": copy.clone_gbps, "matmul_tflops": matmul, "measured_at": meta["started"],
                    "commit": meta["commit"] or "", **meta["versions"]}

@@ -16,6 +16,8 @@ from typing import Any
 
 import pandas as pd
 
+from .timing import MatmulCeiling
+
 BASELINES = ("hf_eager", "hf_compile", "hf_graphs", "hf_grouped_mm", "liger", "torch_sdpa", "flash_attn", "flashinfer",
              "hw_agnostic_apart", "copy")
 NOISY_SPREAD = 0.20
@@ -77,6 +79,11 @@ def _ratio_text(row: pd.Series, baseline: str) -> str:
 def _label(row: pd.Series) -> str:
     shape = "" if str(row["op"]).endswith(str(row["shape"])) else f" {row['shape']}"  # model rows name it
     return f"{row['op']}{shape} {row['dtype']}"
+
+
+def _ceiling(meta: dict[str, Any]) -> MatmulCeiling:
+    """The run's matmul ceiling; a run from before the fp32 rate was measured has the bf16 one only."""
+    return MatmulCeiling(meta.get("matmul_tflops_bf16", meta["matmul_tflops"]), meta.get("matmul_tflops_fp32"))
 
 
 def _mib(value: float) -> str:
@@ -149,7 +156,7 @@ def header(meta: dict[str, Any]) -> list[str]:
     if "copy_gbps" in meta:
         lines += [f"Same-run ceilings (512 MiB, far past the caches): copy into an existing buffer "
                   f"**{meta['copy_gbps']:.1f} GB/s**, `clone()` (a fresh output, page faults included) "
-                  f"**{meta['clone_gbps']:.1f} GB/s**; bf16 matmul {meta['matmul_tflops']:.3f} TFLOP/s.", ""]
+                  f"**{meta['clone_gbps']:.1f} GB/s**; {_ceiling(meta).describe()}.", ""]
     earlier, run = [], meta.get("merged_into")
     while run:  # each merge keeps the meta of the run it merged into, which may be a merge itself
         earlier.append(f"`{run.get('command')}`, {run.get('started')}")

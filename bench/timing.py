@@ -19,7 +19,7 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -165,6 +165,33 @@ def matmul_tflops(device: torch.device, size: int = 8192, dtype: torch.dtype = t
         n *= 2
     us = measure(lambda: a @ b, device, min_time_s=1.0).median
     return 2 * n**3 / (us * 1e-6) / 1e12
+
+
+class MatmulCeiling(NamedTuple):
+    """The compute ceiling of a run: the dense bf16 rate, and on a CPU the fp32 rate beside it."""
+
+    bf16: float
+    fp32: float | None  # measured on the CPU only
+
+    @property
+    def tflops(self) -> float:
+        """The ceiling: the faster rate. A CPU without bf16 units (AVX2) multiplies bf16 at about a
+        thousandth of its fp32 rate, and its bf16 ops (SDPA, the experts) compute in fp32: against
+        the bf16 rate they read as 40x the ceiling."""
+        return max(self.bf16, self.fp32 or 0.0)
+
+    def describe(self) -> str:
+        if self.fp32 is None:
+            return f"bf16 matmul {self.bf16:.3f} TFLOP/s"
+        faster = "bf16" if self.bf16 >= self.fp32 else "fp32"
+        return (f"dense matmul {self.tflops:.3f} TFLOP/s ({faster}, the faster here: bf16 {self.bf16:.4f}, "
+                f"fp32 {self.fp32:.3f})")
+
+
+def matmul_ceiling(device: torch.device) -> MatmulCeiling:
+    """:func:`matmul_tflops` in bf16, and on the CPU in fp32 too (see :class:`MatmulCeiling`)."""
+    fp32 = matmul_tflops(device, dtype=torch.float32) if device.type == "cpu" else None
+    return MatmulCeiling(matmul_tflops(device), fp32)
 
 
 def timed_row(fn: Callable[[], Any], device: torch.device, **measure_options: Any) -> dict[str, float]:

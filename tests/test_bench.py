@@ -132,13 +132,13 @@ def _fake_suite(rows_before_stop: int | None = None) -> types.ModuleType:
 
 @pytest.fixture
 def fake_harness(monkeypatch):
-    from bench.timing import CopyBandwidth
+    from bench.timing import CopyBandwidth, MatmulCeiling
 
     def install(suite):
         monkeypatch.setitem(sys.modules, "tests.fake_suite", suite)
         monkeypatch.setattr(harness, "SUITES", {"fake": "tests.fake_suite"})
         monkeypatch.setattr(harness, "copy_bandwidth", lambda device: CopyBandwidth(20.0, 5.0))
-        monkeypatch.setattr(harness, "matmul_tflops", lambda device: 0.5)
+        monkeypatch.setattr(harness, "matmul_ceiling", lambda device: MatmulCeiling(0.001, 0.5))
 
     return install
 
@@ -157,6 +157,11 @@ def test_a_run_writes_rows_as_they_come_and_reports_at_the_end(fake_harness, tmp
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert meta["status"] == "complete" and meta["device_name"] and meta["command"].startswith("python -m bench")
     assert "fake" in meta["suite_seconds"] and meta["versions"]["torch"] == torch.__version__
+    # the ceiling is the faster of the bf16 and fp32 rates (an AVX2 CPU's bf16 rate is a thousandth of it)
+    assert (meta["matmul_tflops"], meta["matmul_tflops_bf16"], meta["matmul_tflops_fp32"]) == (0.5, 0.001, 0.5)
+    assert rows[0]["matmul_tflops"] == 0.5
+    assert "dense matmul 0.500 TFLOP/s (fp32, the faster here: bf16 0.0010, fp32 0.500)" in (
+        tmp_path / "results.md").read_text()
     assert (tmp_path / "results.md").read_text().startswith("# hw_agnostic bench: cpu")
     assert {p.name for p in tmp_path.glob("*.png")} == {"rms_norm.png", "silu_and_mul.png"}
     out = capsys.readouterr().out
