@@ -98,7 +98,8 @@ ATTENTION_CASES = [
     # a long prompt beside decode steps: the packed grid (no sequence padded to the longest, even
     # with the eager interpreter's 256-row blocks)
     attention_case("prompt-beside-decodes", [100, 1, 1, 1], [130, 20, 7, 64]),
-    attention_case("prompt-beside-decodes-split2", [100, 1, 1, 1], [130, 20, 7, 64], config=split_config(2)),
+    attention_case("prompt-beside-decodes-split2", [100, 1, 1, 1], [130, 20, 7, 64],
+                   config={**split_config(2), "block_sizes": [64, 16]}),  # 64-row blocks: 4x fewer interpreted programs
     # block tables that are not one contiguous [seqs, blocks] array
     attention_case("wide-block-table", [3, 1, 2], [40, 20, 17], table_layout="wide"),
     attention_case("column-major-block-table", [3, 1, 2], [40, 20, 17], table_layout="column_major"),
