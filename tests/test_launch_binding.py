@@ -63,6 +63,28 @@ def _produced(op, result, args: tuple) -> list[torch.Tensor]:
 @pytest.mark.dsl
 @pytest.mark.parametrize("name", BINDING)
 def test_replayed_launches_compute_what_the_host_code_does(name, device, checked_replays, bound):
+    _replays_compute_the_unbound_runs_bits(name, device, bound)
+
+
+#: The ops whose bound run hands its replays its own tensors for the views its host code takes.
+REPLAYING_WITHOUT_VIEWS = ["rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_", "silu_and_mul", "gelu_and_mul",
+                           "swiglu_oai", "write_kv_cache"]
+
+
+@pytest.mark.dsl
+@pytest.mark.parametrize("name", REPLAYING_WITHOUT_VIEWS)
+def test_replays_without_the_views_compute_the_unbound_runs_bits(name, device, bound, monkeypatch):
+    """Unchecked, these runs replay through ``BoundLaunch.replays`` with their own tensors standing
+    for the views (the checked test above takes the views): the same bits as the unbound run."""
+    taken = []
+    original = BoundLaunch.replays
+    monkeypatch.setattr(BoundLaunch, "replays", lambda self, *args: taken.append(original(self, *args)) or taken[-1])
+    _replays_compute_the_unbound_runs_bits(name, device, bound)
+    # HELION_INTERPRET has no host code to bind; elsewhere both replays went without the views
+    assert taken.count(True) >= 2 or (not bound and interpreter_mode() == "helion"), taken
+
+
+def _replays_compute_the_unbound_runs_bits(name: str, device: str, bound: list[BoundLaunch]) -> None:
     op = ops.get_op(name)
     example = op.example_inputs(4, 64, torch.float32, device)
     with ops.use_provider("helion", op):
@@ -71,7 +93,8 @@ def test_replayed_launches_compute_what_the_host_code_does(name, device, checked
         for seed in (1, 2):
             args = _other_data(example, seed)
             direct = _copies(args)
-            replayed = _produced(op, op(*args), args)  # replays, each checked against the host code's launches
+            replayed = _produced(op, op(*args), args)  # replays (checked against the host code's launches
+            # where the test sets CHECK_REPLAYS)
             unbound = _produced(op, plan.run(*direct), direct)
             assert len(replayed) == len(unbound)
             for got, want in zip(replayed, unbound):
@@ -139,6 +162,19 @@ def test_arguments_passed_twice_must_be_one_tensor_again():
     assert host.calls == 2 and launched[-1][2][:2] == (y, out)
     launch(x, x, 1.0)
     assert host.calls == 3
+
+
+def test_replays_take_other_views_of_the_recorded_memory_and_refuse_before_recording(checked_replays, monkeypatch):
+    host, launched = _Host(), []
+    launch = _bound(host, launched)
+    x, out = torch.randn(2, 4, 8), torch.empty(2, 4, 8)
+    assert not launch.replays(x, out, 0.5) and not launched  # nothing recorded yet
+    launch(x.view(-1, 8), out.view(-1, 8), 0.5)
+    assert not launch.replays(x, out, 0.5) and len(launched) == 1  # the checks take the host code's views
+    monkeypatch.setattr(launch_binding, "CHECK_REPLAYS", False)
+    y, out = torch.randn(2, 4, 8), torch.empty(2, 4, 8)
+    assert launch.replays(y, out, 0.5)
+    assert launched[-1][1:3] == ((8,), (y, out, 8, 0.5)) and host.calls == 1  # the recorded grid and stride
 
 
 def test_a_tensor_made_by_the_host_code_is_never_replayed():

@@ -17,7 +17,9 @@ each bound kernel once per call. A launch is replayed only where each tensor the
 one of the host function's arguments (not made inside it) and the host function returned nothing;
 arguments the recording call passed twice (an in-place op's input and output) must be one tensor
 again, or the host code runs (and keeps running) for that binding. :data:`CHECK_REPLAYS` (the
-tests set it) runs the host code beside every replay and compares the launches.
+tests set it) runs the host code beside every replay and compares the launches. A run whose host
+code takes views of its tensors (rows flattened from ``x``, a cache's slots) may offer the replay
+the tensors themselves first (:func:`replayed`), and make the views only where it declines.
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ def bindable(running: Callable[..., Callable[..., Any]], *launches: Any) -> Call
     if all(callable(getattr(launch, "bound", None)) for launch in launches):
         run.bind = lambda args: running(*(launch.bound() for launch in launches))  # type: ignore[attr-defined]
     return run
+
+
+def replayed(launch: Any, *args: Any) -> bool:
+    """``launch.replays(*args)`` for a :class:`BoundLaunch`; False for any other kernel (a
+    :class:`HostLaunch` records nothing, the Helion interpreter's kernels have no host code)."""
+    replays = getattr(launch, "replays", None)
+    return replays is not None and replays(*args)
 
 
 def bound_copy(holder: Any, *names: str) -> Any:
@@ -101,6 +110,22 @@ class BoundLaunch:
         self.replay = None if result is not None or not launches else _replay_function(launches, args)
         self.recorded = True
         return result
+
+    def replays(self, *args: Any) -> bool:
+        """Replay the recorded launches with ``args`` standing for the recording call's arguments,
+        position for position, and say whether it did.
+
+        A tensor of ``args`` may be another view of the memory the recorded one viewed: the one the
+        run flattened into the rows its host code takes (``x`` for ``x.view(-1, hidden)``), with the
+        same data pointer, dtype and device. Launchers read a tensor argument for those alone (its
+        sizes and strides were read by the host code into the recorded integers), so a run skips
+        making its views on every call but the recording one: about 1.3 us a view under ``no_grad``,
+        two to four a call. False, launching nothing, before the first call has recorded, where
+        the host code runs every call, where tensors passed twice are not one tensor, and while
+        :data:`CHECK_REPLAYS` compares replays with the host code (which takes the views): the
+        caller then makes its views and calls the launch."""
+        replay = self.replay
+        return replay is not None and not CHECK_REPLAYS and replay(args, self.source.launcher)
 
 
 def _check(source: HostLaunch, replay: _Replay, args: tuple[Any, ...]) -> None:

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..autotune.keys import token_bucket
 from ..kernels import activations as kernels
-from ..kernels.launch_binding import bindable
+from ..kernels.launch_binding import bindable, replayed
 from ..kernels.runtime import helion_available
 from . import checks
 from .compiled_reference import CompiledReference
@@ -250,8 +250,8 @@ def _tuning_key(key: ActKey) -> dict[str, object]:
 
 def _halves(rows: Tensor, inter: int, interleaved: bool) -> tuple[Tensor, Tensor]:
     if interleaved:
-        return rows[:, 0::2], rows[:, 1::2]
-    return rows.split_with_sizes((inter, inter), 1)  # the two slices' views in one call (1.4 against 2.8 us)
+        return rows[..., 0::2], rows[..., 1::2]
+    return rows.split_with_sizes((inter, inter), -1)  # the two slices' views in one call (1.4 against 2.8 us)
 
 
 def _build(key: ActKey, config: dict, args: tuple) -> object:
@@ -266,13 +266,14 @@ def _build(key: ActKey, config: dict, args: tuple) -> object:
     def running(launch: Any) -> Callable[..., Tensor]:
         def run(x: Tensor, *options: object) -> Tensor:
             out = x.new_empty((*x.shape[:-1], inter))
-            rows = x.view(-1, 2 * inter)
-            if rows.shape[0]:
-                gate, up = _halves(rows, inter, interleaved)
-                if activation == "swiglu_oai":
-                    launch(gate, up, out.view(-1, inter), float(options[0]), float(options[1]), activation)
-                else:
-                    launch(gate, up, out.view(-1, inter), 0.0, 0.0, activation)
+            if not x.numel():
+                return out
+            alpha, limit = (float(options[0]), float(options[1])) if activation == "swiglu_oai" else (0.0, 0.0)
+            # x's own halves and out stand for the rows' where the launch replays (launch_binding.BoundLaunch.replays)
+            gate, up = _halves(x, inter, interleaved)
+            if not replayed(launch, gate, up, out, alpha, limit, activation):
+                gate, up = _halves(x.view(-1, 2 * inter), inter, interleaved)
+                launch(gate, up, out.view(-1, inter), alpha, limit, activation)
             return out
 
         return run

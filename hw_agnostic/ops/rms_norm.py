@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..autotune.keys import token_bucket
 from ..kernels import rms_norm as kernels
-from ..kernels.launch_binding import bindable
+from ..kernels.launch_binding import bindable, replayed
 from ..kernels.runtime import helion_available
 from . import checks, compiled_reference
 from .compiled_reference import CompiledReference, lean_compiled_reference
@@ -319,8 +319,9 @@ def _build_rms_norm(key: NormKey, config: dict, args: tuple) -> object:
         def run(x: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> Tensor:
             # empty_like: the fastest allocation call
             out = torch.empty_like(x, dtype=key.out_dtype, memory_format=torch.contiguous_format)
-            rows = x.view(-1, hidden)
-            if rows.shape[0]:
+            # x and out stand for their rows where the launch replays (see launch_binding.BoundLaunch.replays)
+            if x.numel() and not replayed(launch, x, weight if has_weight else x, out, eps, numerics, has_weight):
+                rows = x.view(-1, hidden)
                 launch(rows, weight if has_weight else rows, out.view(-1, hidden), eps, numerics, has_weight)
             return out
 
@@ -351,8 +352,9 @@ def _build_fused(key: NormKey, config: dict, args: tuple, *, inplace: bool) -> o
 
     def running_inplace(launch: Any) -> Callable[..., None]:
         def run(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, numerics: str) -> None:
-            rows, residual_rows = x.view(-1, hidden), residual.view(-1, hidden)
-            if rows.shape[0]:
+            if x.numel() and not replayed(launch, x, residual, weight if has_weight else x, x, residual, eps,
+                                          numerics, has_weight):
+                rows, residual_rows = x.view(-1, hidden), residual.view(-1, hidden)
                 launch(rows, residual_rows, weight if has_weight else rows, rows, residual_rows, eps, numerics,
                        has_weight)
 
@@ -363,8 +365,9 @@ def _build_fused(key: NormKey, config: dict, args: tuple, *, inplace: bool) -> o
                 numerics: str) -> tuple[Tensor, Tensor]:
             out = torch.empty_like(x, dtype=key.out_dtype, memory_format=torch.contiguous_format)
             summed = torch.empty_like(x, memory_format=torch.contiguous_format)
-            rows = x.view(-1, hidden)
-            if rows.shape[0]:
+            if x.numel() and not replayed(launch, x, residual, weight if has_weight else x, out, summed, eps,
+                                          numerics, has_weight):
+                rows = x.view(-1, hidden)
                 launch(rows, residual.view(-1, hidden), weight if has_weight else rows,
                        out.view(-1, hidden), summed.view(-1, hidden), eps, numerics, has_weight)
             return out, summed

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ..autotune.keys import token_bucket
 from ..kernels import write_kv_cache as kernels
-from ..kernels.launch_binding import bindable
+from ..kernels.launch_binding import bindable, replayed
 from ..kernels.runtime import helion_available
 from . import checks
 from .registry import Op, Provider
@@ -272,7 +272,8 @@ def _build_write(key: WriteKey, config: dict, args: tuple) -> Any:
 
     def running(launch: Any) -> Callable[..., None]:
         def run(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-            if key.shape[0] and k_cache.shape[0]:
+            # the caches stand for their slot views where the launch replays (see launch_binding.BoundLaunch.replays)
+            if key.shape[0] and k_cache.shape[0] and not replayed(launch, key, value, k_cache, v_cache, slot_mapping):
                 launch(key, value, slot_view(k_cache), slot_view(v_cache), slot_mapping)
 
         return run
