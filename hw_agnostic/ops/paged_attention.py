@@ -61,7 +61,7 @@ from torch import Tensor
 
 from ..autotune.keys import token_bucket
 from ..kernels import paged_attention as kernels
-from ..kernels.launch_binding import HostLaunch
+from ..kernels.launch_binding import HostLaunch, replayed
 from ..kernels.runtime import helion_available
 from . import checks
 from .registry import Op, Provider
@@ -685,10 +685,13 @@ class _AttentionLaunch:
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
         kv_lens: Tensor, scale: float, sliding_window: Optional[int], softcap: Optional[float],
         sinks: Optional[Tensor], max_q_len: Optional[int], max_kv_len: Optional[int], out: Tensor | None = None,
-        *, num_splits: int, grid: kernels.QueryGrid | None = None,
+        *, num_splits: int, grid: kernels.QueryGrid | None = None, views: bool = True,
     ) -> tuple[tuple, tuple | None]:
         """The attention kernel's arguments, and the merge's (None without splits); ``grid``, where
-        given, is :meth:`_grid`'s for these arguments."""
+        given, is :meth:`_grid`'s for these arguments. ``views=False``: the tensors the host code
+        takes as views (q's rows, the caches' slots, out's rows, the flat table, the partials' rows)
+        are given as the tensors they view, where those have the view's data pointer, for a bound
+        launch's replay (``launch_binding.BoundLaunch.replays``)."""
         tokens, heads, head_dim = q.shape
         num_seqs = kv_lens.shape[0]
         max_q_len = max_q_len if max_q_len is not None else tokens
@@ -699,7 +702,7 @@ class _AttentionLaunch:
         if out is None:
             out = torch.zeros((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
         sinks = self.no_sinks if sinks is None else sinks
-        rows = out.view(tokens * heads, head_dim)
+        rows = out.view(tokens * heads, head_dim) if views or num_splits > 1 else out
         merge_args = None
         if num_splits > 1:
             shape = (num_seqs, self.key.num_kv_heads, num_splits, packed)
@@ -707,13 +710,21 @@ class _AttentionLaunch:
             partial_out = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
             merge_args = (partial_out, partial_lse, cu_seqlens_q, sinks, rows, self.group)
             # the attention kernel writes them as flat rows (see the kernel)
-            partial_out, partial_lse = partial_out.view(-1, head_dim), partial_lse.view(-1)
+            if views:
+                partial_out, partial_lse = partial_out.view(-1, head_dim), partial_lse.view(-1)
         else:
             partial_out, partial_lse = self.placeholder_rows, self.placeholder
-        table, table_stride = _flat_table(block_table)
+        if views:
+            table, table_stride = _flat_table(block_table)
+            q_rows, k_slots, v_slots = q.reshape(tokens * heads, head_dim), slot_view(k_cache), slot_view(v_cache)
+        else:  # a contiguous table's flat view and a contiguous q's rows keep their pointers; the slots always
+            flat = block_table.is_contiguous() and block_table.numel()
+            table, table_stride = (block_table, block_table.shape[1]) if flat else _flat_table(block_table)
+            q_rows = q if q.is_contiguous() else q.reshape(tokens * heads, head_dim)
+            k_slots, v_slots = k_cache, v_cache
         attention_args = (
-            q.reshape(tokens * heads, head_dim), slot_view(k_cache), slot_view(v_cache), table, cu_seqlens_q,
-            kv_lens, sinks, block_seq, rows, partial_out, partial_lse, float(scale),
+            q_rows, k_slots, v_slots, table, cu_seqlens_q, kv_lens, sinks, block_seq, rows, partial_out, partial_lse,
+            float(scale),
             float(softcap) if softcap is not None else 1.0,
             int(sliding_window) if sliding_window is not None else NO_WINDOW, num_splits, packed,
             max(block_table.shape[1], 1), table_stride, self.block_rows, grid.blocks_per_seq, grid.rows(self.block_rows),
@@ -754,6 +765,15 @@ class _AttentionLaunch:
         self.num_splits = num_splits  # the last call's, for the tests
         # Not zero-filled: the kernel writes every row, those no sequence owns as zeros.
         out = q.new_empty(q.shape)
+        if bound:
+            attention, merge = bound
+            # a recorded binding: its replay takes the tensors the host code took views of
+            attention_args, merge_args = self._arguments(*args, out=out, num_splits=num_splits, grid=grid,
+                                                         views=False)
+            if replayed(attention, *attention_args):
+                if merge is not None:
+                    merge(*merge_args)
+                return out
         attention_args, merge_args = self._arguments(*args, out=out, num_splits=num_splits, grid=grid)
         if bound:
             attention, merge = bound
