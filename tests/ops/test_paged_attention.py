@@ -243,7 +243,7 @@ def test_fuzz_batches(batch, window, sinks, num_splits, unowned_rows, leading_ro
 
 
 @pytest.mark.dsl
-@settings(max_examples=fuzz_examples(8, 40), deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=fuzz_examples(5, 40), deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     batch=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 40)), min_size=1, max_size=3),
     heads=st.sampled_from([(1, 1), (2, 2), (4, 1), (4, 2), (6, 2), (8, 1)]),

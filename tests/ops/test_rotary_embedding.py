@@ -78,7 +78,7 @@ def test_rotary_embedding_dsl(case, provider, device):
 
 
 @pytest.mark.dsl
-@settings(max_examples=fuzz_examples(10, 40), deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=fuzz_examples(6, 40), deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     batch=st.integers(1, 3), tokens=st.integers(1, 6), q_heads=st.integers(1, 5), group=st.integers(1, 3),
     half=st.integers(1, 40), passed=st.sampled_from([0, 0, 3, 16]), dtype=st.sampled_from(DTYPES),
