@@ -775,9 +775,7 @@ class _AttentionLaunch:
                     merge(*merge_args)
                 return out
         attention_args, merge_args = self._arguments(*args, out=out, num_splits=num_splits, grid=grid)
-        if bound:
-            attention, merge = bound
-        else:
+        if not bound:
             attention, merge = self._launches(attention_args, merge_args)
             if bound is not None:  # kernels without host code (the Helion interpreter) run as they are
                 bound[:] = [k.bound() if isinstance(k, HostLaunch) else k for k in (attention, merge)]
