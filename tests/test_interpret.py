@@ -23,9 +23,10 @@ def test_nothing_is_patched_without_an_interpreter_variable():
     probe = (
         "import triton.language.extra.libdevice as ld, triton.runtime.interpreter as it\n"
         "before = (ld.rsqrt, it.InterpreterBuilder.binary_op, it.InterpreterBuilder.cast_impl)\n"
-        "import hw_agnostic.ops\n"
+        "import hw_agnostic.ops, hw_agnostic.backend, sys\n"
         "after = (ld.rsqrt, it.InterpreterBuilder.binary_op, it.InterpreterBuilder.cast_impl)\n"
         "assert before == after, 'patched without an interpreter'\n"
+        "assert 'helion' not in sys.modules, 'Helion imported by a process that compiles no kernel'\n"
         "import torch\n"
         "try:\n"
         "    torch.ops.aten.mm.dtype(torch.ones(1, 1, dtype=torch.bfloat16), torch.ones(1, 1, dtype=torch.bfloat16), torch.float32)\n"
@@ -152,3 +153,59 @@ def test_helion_amax_keeps_nan_and_dtype_under_the_faster_reduction(dtype):
     kernel(x, out)
     assert torch.equal(out.isnan(), x.amax(-1).isnan())
     assert torch.equal(out[~out.isnan()], x.amax(-1)[~out.isnan()])
+
+
+@triton.jit
+def _scaled(x, factor):
+    return x * factor
+
+
+@triton.jit
+def helper_calls(x_ptr, out_ptr, rowmax_ptr, N: tl.constexpr):
+    row = tl.program_id(0)
+    x = tl.load(x_ptr + row * N + tl.arange(0, N))
+    acc = tl.zeros([N], dtype=tl.float32) + x  # tl.zeros, tl.sum, tl.max: helpers from triton.language.core's module
+    tl.store(out_ptr + row, _scaled(tl.sum(acc, axis=0), 2.0))
+    tl.store(rowmax_ptr + row, tl.max(acc, axis=0))
+
+
+@triton.jit
+def int32_product(a_ptr, b_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, tl.load(a_ptr + offs) * tl.load(b_ptr + offs))
+
+
+@triton_tier
+@pytest.mark.dsl
+def test_helpers_inside_a_launch_compute_and_the_language_is_restored_after_it():
+    """triton.language is patched once per launch (fix 7): every program's helper calls still compute,
+    and after the launch, a failing one included, the language is Triton's again."""
+    from triton.language.core import is_builtin
+
+    x = torch.randn(5, 8)
+    out, rowmax = torch.empty(5), torch.empty(5)
+    for _ in range(2):  # the second launch starts from the restored language
+        helper_calls[(5,)](x, out, rowmax, N=8)
+        torch.testing.assert_close(out, 2 * x.sum(1))
+        assert torch.equal(rowmax, x.amax(1))
+        assert is_builtin(tl.load) and is_builtin(tl.store) and is_builtin(tl.program_id)
+    with pytest.raises(Exception):
+        helper_calls[(5,)](x, out, rowmax, N=7)  # tl.arange needs a power of two
+    assert is_builtin(tl.load) and is_builtin(tl.arange)
+    helper_calls[(5,)](x, out, rowmax, N=8)
+    torch.testing.assert_close(out, 2 * x.sum(1))
+
+
+@triton_tier
+@pytest.mark.dsl
+def test_int32_arithmetic_wraps_as_on_a_gpu_without_the_discarded_overflow_check():
+    """The interpreter's overflow check asserts only under ``debug``, which it never sets; without it
+    (fix 6) a product that overflows int32 wraps, as the GPU's does."""
+    from triton.runtime import interpreter
+
+    assert not interpreter.interpreter_builder.options.debug
+    a = torch.tensor([2**20, 3, -(2**20), 46341] * 4, dtype=torch.int32)
+    b = torch.tensor([2**12, 5, 2**12, 46341] * 4, dtype=torch.int32)
+    out = torch.empty_like(a)
+    int32_product[(1,)](a, b, out, N=16)
+    assert torch.equal(out, a * b)  # torch's int32 product wraps too

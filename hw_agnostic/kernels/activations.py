@@ -21,18 +21,16 @@ from typing import Any
 import torch
 
 from .interpret import interpreter_mode
-from .runtime import Config, HelionFunction, KernelSpec, next_power_of_2
+from .runtime import Config, Constexpr, HelionFunction, KernelSpec, next_power_of_2
 
-try:
-    import helion.language as hl
-except Exception:  # Helion missing or broken: the ops fall back to other providers
-    hl = None
+#: ``helion.language``, bound by :class:`.runtime.HelionFunction` before its first compile
+hl: Any = None
 
 #: Values of the ``activation`` constexpr. Kernels compare constexprs with literals: Helion
 #: folds those at compile time, but passes module-level constants in as runtime arguments.
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swiglu_oai")
 
-_constexpr: Any = hl.constexpr if hl is not None else int
+_constexpr = Constexpr
 
 
 def _gated_activation(

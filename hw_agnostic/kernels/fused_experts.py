@@ -21,14 +21,12 @@ import torch
 from .grouped_gemm import GROUPED_GEMM, gemm_tile_candidates, gemm_tiles, with_launch_orders
 from .interpret import interpreter_mode
 from .moe_align import MOE_ALIGN, default_align_config
-from .runtime import Config, HelionFunction, KernelSpec, next_power_of_2
+from .runtime import Config, Constexpr, HelionFunction, KernelSpec, next_power_of_2
 
-try:
-    import helion.language as hl
-except Exception:  # Helion missing or broken: the ops fall back to other providers
-    hl = None
+#: ``helion.language``, bound by :class:`.runtime.HelionFunction` before its first compile
+hl: Any = None
 
-_constexpr: Any = hl.constexpr if hl is not None else int
+_constexpr = Constexpr
 
 
 def _combine_topk(pair_out: torch.Tensor, out: torch.Tensor, top_k: _constexpr) -> None:

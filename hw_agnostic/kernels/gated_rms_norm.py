@@ -20,19 +20,17 @@ from typing import Any
 import torch
 
 from . import norm_configs
-from .runtime import HelionFunction, KernelSpec
+from .runtime import Constexpr, HelionFunction, KernelSpec
 
-try:
-    import helion.language as hl
-except Exception:  # Helion missing or broken: the ops fall back to other providers
-    hl = None
+#: ``helion.language``, bound by :class:`.runtime.HelionFunction` before its first compile
+hl: Any = None
 
 #: Values of the constexprs (compared with literals inside the kernel, which Helion folds).
 ORDERS = ("norm_then_gate", "gate_then_norm")
 NUMERICS = ("llama", "fp32_scale")
 ACTIVATIONS = ("silu", "sigmoid")
 
-_constexpr: Any = hl.constexpr if hl is not None else int
+_constexpr = Constexpr
 
 
 def _activate(g: torch.Tensor, activation: str) -> torch.Tensor:

@@ -27,17 +27,15 @@ import torch
 
 from . import norm_configs
 from .rms_norm import default_fused_add_rms_norm_config, fused_add_rms_norm_candidates
-from .runtime import HelionFunction, KernelSpec
+from .runtime import Constexpr, HelionFunction, KernelSpec
 
-try:
-    import helion.language as hl
-except Exception:  # Helion missing or broken: the ops fall back to other providers
-    hl = None
+#: ``helion.language``, bound by :class:`.runtime.HelionFunction` before its first compile
+hl: Any = None
 
 #: Values of the ``numerics`` constexpr (compared with literals inside the kernels, which Helion folds).
 NUMERICS = ("fp32", "one_plus", "cast_then_affine")
 
-_constexpr: Any = hl.constexpr if hl is not None else int
+_constexpr = Constexpr
 
 
 def _affine(y: torch.Tensor, w: torch.Tensor, b: torch.Tensor, weight_dtype: torch.dtype, input_dtype: torch.dtype,

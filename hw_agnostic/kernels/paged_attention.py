@@ -66,14 +66,12 @@ from typing import Any, NamedTuple
 import torch
 
 from .interpret import interpreter_mode
-from .runtime import Config, HelionFunction, KernelSpec, next_power_of_2
+from .runtime import Config, Constexpr, HelionFunction, KernelSpec, next_power_of_2
 
-try:
-    import helion.language as hl
-except Exception:  # Helion missing or broken: the ops fall back to the reference
-    hl = None
+#: ``helion.language``, bound by :class:`.runtime.HelionFunction` before its first compile
+hl: Any = None
 
-_constexpr: Any = hl.constexpr if hl is not None else int
+_constexpr = Constexpr
 
 
 def _slots(keys: torch.Tensor, seq: torch.Tensor, table: torch.Tensor, table_stride: int, page: int,

@@ -25,16 +25,14 @@ from typing import Any
 import torch
 
 from .interpret import interpreter_mode
-from .runtime import Config, HelionFunction, KernelSpec, next_power_of_2
+from .runtime import Config, Constexpr, HelionFunction, KernelSpec, next_power_of_2
 
-try:
-    import helion.language as hl
-except Exception:  # Helion missing or broken: the op falls back to the reference
-    hl = None
+#: ``helion.language``, bound by :class:`.runtime.HelionFunction` before its first compile
+hl: Any = None
 
 #: Half the rotary dim is a constexpr: the second half's loads are at a constant offset from the
 #: first's, so the compiler can prove them aligned and use 16-byte vectors (fixed per model).
-_constexpr: Any = hl.constexpr if hl is not None else int
+_constexpr = Constexpr
 
 
 def _rotate(x1: torch.Tensor, x2: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, s1: torch.Tensor,

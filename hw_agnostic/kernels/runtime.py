@@ -27,6 +27,9 @@ from .launch_binding import HostLaunch
 
 Config = dict[str, Any]
 INT32_MAX = 2**31 - 1
+#: The annotation of a kernel's compile-time arguments. Annotations stay strings here and Helion
+#: takes any whose text names ``constexpr``, so writing one needs no Helion import.
+Constexpr = Any
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -86,7 +89,14 @@ class HelionFunction:
         kernel = self._kernels.get((int64, size_class))
         if kernel is None:
             import helion
+            import helion.language
 
+            # The kernel modules name ``helion.language`` as ``hl`` in function bodies alone, which
+            # Helion reads from the module's globals when it compiles (checking it is the module
+            # itself); they leave it unbound until here, as importing Helion takes seconds (4 of
+            # the 8.5 importing hw_agnostic.ops took on a 2-core EPYC) that a process running no
+            # kernel, such as any on a CPU without an interpreter, should not pay.
+            self.fn.__globals__["hl"] = helion.language
             kernel = helion.kernel(
                 self.fn,
                 static_shapes=False,

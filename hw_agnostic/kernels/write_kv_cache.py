@@ -18,10 +18,8 @@ import torch
 from .interpret import interpreter_mode
 from .runtime import Config, HelionFunction, KernelSpec, next_power_of_2
 
-try:
-    import helion.language as hl
-except Exception:  # Helion missing or broken: the ops fall back to the reference
-    hl = None
+#: ``helion.language``, bound by :class:`.runtime.HelionFunction` before its first compile
+hl: Any = None
 
 
 def _write_kv_cache(
