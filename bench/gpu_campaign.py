@@ -5,8 +5,8 @@
 budget, all inside ``--budget`` seconds (a little over 9 minutes by default):
 
 1. ``install``: the carried wheels into a private target directory (helion, liger-kernel,
-   filecheck, transformers), then an import check of hw_agnostic, helion and liger_kernel, and
-   ``hw-agnostic doctor``;
+   filecheck, transformers), then ``hw-agnostic doctor``: it imports hw_agnostic and Helion and
+   reports every package's version, the device and which provider runs each op;
 2. ``tests``: the GPU test tier (``tests/test_gpu.py``, every op's DSL harness on the GPU, the
    launches bound to call signatures through Triton's launcher);
 3. ``compile-check``: what compile-for-target mode predicts for this GPU's target (registers,
@@ -160,24 +160,8 @@ def install(c: Campaign) -> None:
         c.phases.append(phase)
         phase.status, phase.detail = "ok", "no .whl/ folder: using the packages already installed"
         c.say("install: no .whl/, using the installed packages")
-    check = ("import importlib, importlib.metadata, json\n"
-             "found = {}\n"
-             "for name, dist in (('torch', 'torch'), ('triton', 'triton'), ('helion', 'helion'),\n"
-             "                   ('transformers', 'transformers'), ('liger_kernel', 'liger-kernel'),\n"
-             "                   ('hw_agnostic', 'hw-agnostic')):\n"
-             "    try:\n"
-             "        module = importlib.import_module(name)\n"
-             "        try:\n"
-             "            found[name] = importlib.metadata.version(dist)\n"
-             "        except importlib.metadata.PackageNotFoundError:\n"
-             "            found[name] = getattr(module, '__version__', 'importable') + f' ({module.__file__})'\n"
-             "    except Exception as err:\n"
-             "        found[name] = f'missing ({type(err).__name__}: {err})'\n"
-             "import torch\n"
-             "found['device'] = torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'\n"
-             "print(json.dumps(found))\n")
-    c.run(Phase("versions", 60), [sys.executable, "-c", check], log_name="versions.log")
-    # what a bug report needs: which provider runs each op here and why, the config directories
+    # the import check and what a bug report needs: package versions, the device, which provider
+    # runs each op here and why, the config directories
     c.run(Phase("doctor", 60), [sys.executable, "-m", "hw_agnostic", "doctor"], log_name="doctor.log")
 
 

@@ -25,7 +25,7 @@ def test_the_dry_run_runs_every_phase_and_packs_the_results(tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     summary = (out / "summary.md").read_text()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + summary
-    for phase in ("install", "versions", "tests", "compile-check", "autotune", "bench"):
+    for phase in ("install", "doctor", "tests", "compile-check", "autotune", "bench"):
         assert f"| {phase} | ok |" in summary, summary
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= 8 and {"summary.md", "campaign.tar.gz", "bench_results.csv", "tuned_configs.tar.gz"} <= set(
