@@ -42,7 +42,7 @@ And two for every kernel under the Triton interpreter:
    per tile) patches ``triton.language`` again: ``inspect.getmembers`` over four modules, about
    0.4 ms a call, for nothing, as the launch already patched them and the helper's patches are
    never undone. A helper call during a launch whose patches cover the helper's
-   ``triton.language`` modules now skips it (a fifth of the paged-attention tests' time).
+   ``triton.language`` modules now skips it (a fifth of the paged-attention cases' time, profiled).
 """
 
 from __future__ import annotations
@@ -433,8 +433,7 @@ def _patch_language_once_per_launch() -> None:
     launches: list[_Launch] = []
 
     def languages(fn: Any) -> set[int]:
-        return set(id(value) for value in fn.__globals__.values()
-                         if inspect.ismodule(value) and value in (tl, tl.core))
+        return {id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)}
 
     def launch(self: Any, *args: Any, **kwargs: Any) -> Any:
         launches.append(_Launch(languages(self.fn)))
@@ -448,7 +447,7 @@ def _patch_language_once_per_launch() -> None:
         if current is not None and current.patched and languages(fn) <= current.languages:
             return _NothingPatched()  # a helper called inside a launch that patched its modules
         scope = original_patch(fn)
-        if current is not None:  # Triton never undoes a helper's patches: they hold until the launch ends
+        if current is not None:  # Triton never undoes a helper's patches: they hold for the rest of the launch
             current.patched = True
             current.languages |= languages(fn)
         return scope
