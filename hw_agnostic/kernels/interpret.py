@@ -415,14 +415,6 @@ class _NothingPatched:
         pass
 
 
-@dataclasses.dataclass
-class _Launch:
-    #: ids of the triton.language modules patched since the launch began (the kernel's, then those
-    #: of helpers such as ``tl.zeros``, whose module holds ``triton.language.core``)
-    languages: set[int]
-    patched: bool = False
-
-
 def _patch_language_once_per_launch() -> None:
     import inspect
 
@@ -430,26 +422,29 @@ def _patch_language_once_per_launch() -> None:
     from triton.runtime import interpreter as interp
 
     original_patch, original_launch = interp._patch_lang, interp.GridExecutor.__call__
-    launches: list[_Launch] = []
+    #: per launch in progress, the ids of the triton.language modules patched since it began (the
+    #: kernel's, then those of helpers such as ``tl.zeros``, whose module holds ``triton.language.core``)
+    launches: list[set[int]] = []
 
     def languages(fn: Any) -> set[int]:
         return {id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)}
 
     def launch(self: Any, *args: Any, **kwargs: Any) -> Any:
-        launches.append(_Launch(languages(self.fn)))
+        launches.append(set())
         try:
             return original_launch(self, *args, **kwargs)
         finally:
             launches.pop()
 
     def patch_lang(fn: Any) -> Any:
-        current = launches[-1] if launches else None
-        if current is not None and current.patched and languages(fn) <= current.languages:
-            return _NothingPatched()  # a helper called inside a launch that patched its modules
+        needed = languages(fn)
+        # Triton asserts every jit function sees triton.language, so the launch's own call (nothing
+        # patched yet) never skips; a helper's patches are never undone: they hold for the rest of it
+        if launches and needed and needed <= launches[-1]:
+            return _NothingPatched()
         scope = original_patch(fn)
-        if current is not None:  # Triton never undoes a helper's patches: they hold for the rest of the launch
-            current.patched = True
-            current.languages |= languages(fn)
+        if launches:
+            launches[-1] |= needed
         return scope
 
     interp.GridExecutor.__call__ = launch
