@@ -36,12 +36,13 @@ test:
 	@$(MAKE) --no-print-directory test-vllm
 
 test-cpu-tiers:
-	@$(MAKE) --no-print-directory -j1 test-reference test-triton-interpret test-helion-interpret test-compile test-zoo
+	@$(MAKE) --no-print-directory -j1 test-reference test-triton-interpret test-helion-interpret test-compile
 
+# The plain CPU path, the zoo included: one session starts, collects and drains its workers once.
 test-reference: $(VENV)/.installed-test
-	$(PYTEST) -m "not zoo" tests
+	$(PYTEST) tests
 
-# Every causal-LM family transformers ships, tiny, rewired and checked against itself.
+# Every causal-LM family transformers ships, tiny, rewired and checked against itself (in test-reference too).
 test-zoo: $(VENV)/.installed-test
 	$(PYTEST) -m zoo tests/zoo
 
