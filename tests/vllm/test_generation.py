@@ -35,12 +35,36 @@ MAX_TOKENS = 12
 CHILD_TIMEOUT_S = 420
 
 
-def _start(tmp: Path, name: str, runs: list[dict], *, plugin: bool, extra_env: dict[str, str] | None = None):
+def _inspect_model_classes(root: Path) -> Path:
+    """vLLM's facts about the Transformers backend's model classes (``$VLLM_CACHE_ROOT/modelinfos``),
+    inspected once, in this process, for every child to read.
+
+    Without them each child inspects each class in a fresh Python process of its own (12-14 s each
+    on 2 cores: 37 s of the tier's critical path over the three children); here it takes about 2 s.
+    vLLM uses a subprocess only to keep CUDA uninitialised in the engine's process, which importing
+    these classes on the CPU does not touch."""
+    from vllm.model_executor.models import registry
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_CACHE_ROOT", str(root))
+        patch.setattr(registry, "_run_in_subprocess", lambda fn: fn())
+        for architecture in ("TransformersForCausalLM", "TransformersMoEForCausalLM"):
+            registry.ModelRegistry.models[architecture].inspect_model_cls()
+    infos = root / "modelinfos"
+    assert len(list(infos.glob("*.json"))) == 2, list(infos.iterdir())
+    return infos
+
+
+def _start(tmp: Path, name: str, runs: list[dict], model_infos: Path, *, plugin: bool,
+           extra_env: dict[str, str] | None = None):
     spec = tmp / f"{name}.spec.json"
     spec.write_text(json.dumps({"runs": runs, "max_tokens": MAX_TOKENS, "prompts": PROMPTS}))
+    cache = tmp / f"{name}.cache"  # each child compiles into its own cache; the model-class facts are shared
+    cache.mkdir()
+    (cache / "modelinfos").symlink_to(model_infos, target_is_directory=True)
     env = dict(os.environ)
     env.pop("HW_AGNOSTIC_COMPILE_REFERENCE", None)  # the library's default CPU path, as a user gets it
-    env.update(VLLM_USE_HW_AGNOSTIC="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(tmp / f"{name}.cache"),
+    env.update(VLLM_USE_HW_AGNOSTIC="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(cache),
                HW_AGNOSTIC_VLLM_COUNTS_DIR=str(tmp / f"{name}.counts"),
                HW_AGNOSTIC_VLLM_OVERRIDES="+attention,+moe",  # off by default on the CPU (speed), tested here
                **(extra_env or {}))
@@ -71,6 +95,7 @@ def _finish(tmp: Path, started) -> dict:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm")
     models = {family: str(build(family, tmp / family)) for family in FAMILIES}
+    infos = _inspect_model_classes(tmp / "inspected")
     single = [{"name": f, "model": models[f], "eager": True} for f in FAMILIES]
     single.append({"name": "llama_compiled", "model": models["llama"], "eager": False})
     cores = sorted(os.sched_getaffinity(0))
@@ -78,9 +103,9 @@ def runs(tmp_path_factory):
     # Without and with the plugin side by side, each on a core of its own (vLLM's start-up is
     # mostly single-threaded Python: together they take about the time of one).
     in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    without = _start(tmp, "vllm", single, plugin=False,
+    without = _start(tmp, "vllm", single, infos, plugin=False,
                      extra_env={**in_process, "VLLM_CPU_OMP_THREADS_BIND": str(cores[0])})
-    with_plugin = _start(tmp, "plugin", single, plugin=True,
+    with_plugin = _start(tmp, "plugin", single, infos, plugin=True,
                          extra_env={**in_process, "VLLM_CPU_OMP_THREADS_BIND": str(cores[1]),
                                     "TORCH_LOGS": "graph_code,graph_breaks"})
     try:
@@ -89,7 +114,7 @@ def runs(tmp_path_factory):
         for _, proc, _ in (without, with_plugin):
             if proc.poll() is None:
                 proc.kill()
-    tp2 = _start(tmp, "tp2", [{"name": "mixtral_tp2", "model": models["mixtral"], "eager": True, "tp": 2}],
+    tp2 = _start(tmp, "tp2", [{"name": "mixtral_tp2", "model": models["mixtral"], "eager": True, "tp": 2}], infos,
                  plugin=True, extra_env={"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}|{cores[1]}"})
     results["tp2"] = _finish(tmp, tp2)
     return results
