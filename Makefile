@@ -77,7 +77,7 @@ test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q tests/vllm
 
 # Every kernel compiled for GPU targets, no GPU needed: the tier's own tests (rules, headline
-# model shapes, shipped configs, rewired models) for every target (about 4 minutes on 2 cores).
+# model shapes, shipped configs, rewired models) for every target (about 2 minutes on 2 cores).
 test-compile: $(VENV)/.installed-test
 	HW_AGNOSTIC_COMPILE_TARGETS=$(COMPILE_TARGETS) $(PYTEST) tests/compile_targets
 
