@@ -945,7 +945,8 @@ def _page_slots_first(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if not isinstance(cache, _cache_classes()[0]):
         return
     if torch.compiler.is_compiling():  # traced once: no bookkeeping for the graph's guards to read
-        _page_slots(module, cache)
+        if not _every_slot_paged(cache):
+            _page_slots(module, cache)
         return
     done = _paged_caches.get(module)
     if done is None:
@@ -963,6 +964,15 @@ def _page_slots_first(module: nn.Module, args: tuple, kwargs: dict) -> None:
         done[cache] = len(layers) if isinstance(layers, list) else -1
     except TypeError:
         pass
+
+
+def _every_slot_paged(cache: Any) -> bool:
+    """Whether every layer of ``cache`` is a paged view already (a step after the prefill paged them),
+    so :func:`_page_slots` would change nothing. A compiled step checks this instead of walking the
+    modules: the walk reads every module's children and attributes, each read a guard the compiled
+    step evaluates on every call (at 6 layers, two hooked ancestors: about 2.5x HF's guards a layer)."""
+    layers = getattr(cache, "layers", None)
+    return isinstance(layers, list) and bool(layers) and all(isinstance(layer, PagedCacheLayer) for layer in layers)
 
 
 def _page_slots(module: nn.Module, cache: Any) -> None:

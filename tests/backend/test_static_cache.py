@@ -115,6 +115,31 @@ def test_decode_steps_trace_once_across_blocks_on_fixed_addresses():
                          for s in stores]
 
 
+def test_a_compiled_step_after_the_prefill_leaves_the_modules_unread(monkeypatch):
+    """What the trace reads becomes a guard the compiled step evaluates on every call: once the prefill
+    paged every slot, the pre-forward hook does not walk the modules to page them again (the walk
+    made a 6-layer step's guards cost 2.5x HF's a layer)."""
+    from hw_agnostic.backend import attention
+
+    model, _ = _pair()
+    cache = StaticCache(config=model.config, max_cache_len=24)
+    mask = torch.ones(2, 24, dtype=torch.long)
+    with torch.no_grad():
+        model(prompt(batch=2, length=5), attention_mask=mask, past_key_values=cache)
+
+    def walk(module, cache):
+        raise AssertionError("the compiled step walked the modules to page the cache's slots")
+
+    monkeypatch.setattr(attention, "_page_slots", walk)
+    torch._dynamo.reset()
+    backend = Counting()
+    compiled = torch.compile(model, fullgraph=True, dynamic=False, backend=backend)
+    with torch.no_grad():
+        for step in range(2):
+            compiled(prompt(batch=2, length=1, seed=30 + step), attention_mask=mask, past_key_values=cache)
+    assert backend.graphs == 1
+
+
 def test_generate_compiles_the_decode_step_when_its_compile_config_asks():
     model, reference = _pair()
     ids, mask = padded_prompt()
