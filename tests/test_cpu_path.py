@@ -33,6 +33,7 @@ rms_norm = importlib.import_module("hw_agnostic.ops.rms_norm")
 layer_norm = importlib.import_module("hw_agnostic.ops.layer_norm")
 rotary = importlib.import_module("hw_agnostic.ops.rotary_embedding")
 gated = importlib.import_module("hw_agnostic.ops.gated_rms_norm")
+route_module = importlib.import_module("hw_agnostic.ops.moe_route")
 
 pytestmark = pytest.mark.skipif(interpreter_mode() is not None, reason="the plain CPU path (no interpreter)")
 
@@ -692,14 +693,13 @@ def test_threads_gather_into_their_own_buffers():
 
 
 def test_what_a_call_under_inference_mode_keeps_serves_later_calls_outside_it():
-    """The CPU path keeps tensors between calls (the thread's gather buffers, the routing tie-breaks);
-    made inside ``torch.inference_mode`` they are still normal tensors: a later call outside that mode
-    writes the buffers, and autograd may save the tie-breaks (an inference tensor allows neither:
-    a rewire after an inference-mode call saw its attention raise and left it undone)."""
+    """The CPU path keeps tensors between calls (the thread's gather buffers); made inside
+    ``torch.inference_mode`` they are still normal tensors: a later call outside that mode writes
+    the buffers (an inference tensor does not allow it: a rewire after an inference-mode call saw its
+    attention raise and left it undone)."""
     import threading
 
     attention = importlib.import_module("hw_agnostic.ops.paged_attention")
-    route = importlib.import_module("hw_agnostic.ops.moe_route")
     batch = _scattered([1, 1], [9, 20], torch.float32)
     results: list = []
 
@@ -715,14 +715,6 @@ def test_what_a_call_under_inference_mode_keeps_serves_later_calls_outside_it():
     thread.join()
     assert len(results) == 1
     assert_close(results[0], _float64_spec(batch), torch.float32)
-
-    experts = 13  # an expert count no other test routes over: its tie-breaks are made here
-    route._tie_breaks.pop((experts, torch.device("cpu")), None)
-    scores = torch.softmax(torch.randn(4, experts), dim=-1)
-    with torch.inference_mode():
-        route._top_keyed(scores, 2)
-    tracked = scores.clone().requires_grad_()
-    assert torch.equal(route._top_keyed(tracked, 2), route._top(scores, 2))
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_the_cpu_attentions_finiteness_check(dtype):
@@ -978,45 +970,43 @@ def test_the_cpu_experts_loop_where_grouped_mm_does_not_run(monkeypatch):
         experts._cpu_grouped_mm.cache_clear()
 
 
-def test_softmax_routing_is_bit_identical_to_the_reference():
-    route = importlib.import_module("hw_agnostic.ops.moe_route")
-    g = torch.Generator().manual_seed(3)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-        for tokens, experts, top_k in ((1, 128, 8), (16, 8, 2), (37, 60, 4)):
-            logits = (3 * torch.randn(tokens, experts, generator=g)).to(dtype)
-            for renormalize, factor in ((True, 1.0), (False, 2.5)):
-                args = (logits, None, top_k, "softmax", renormalize, 1, 1, factor)
-                (w1, i1), (w2, i2) = route._moe_route_lean(*args), route.moe_route_reference(*args)
-                assert torch.equal(w1, w2) and torch.equal(i1, i2)
-
-
-def test_sigmoid_routing_is_bit_identical_to_the_reference():
-    """DeepSeek-V3's routing and plain sigmoid routing, with ties (bf16 logits, equal groups), NaN and
-    infinite logits and biases, every dtype, with and without renormalisation and scaling."""
-    route = importlib.import_module("hw_agnostic.ops.moe_route")
-    g = torch.Generator().manual_seed(4)
+def _routing_cases(g: torch.Generator):
+    """Routing calls of every scoring and dtype, with ties (bf16 logits, equal rows and groups), NaN and
+    infinite logits and biases, scores that underflow to 0, with and without renormalisation and scaling."""
     for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         for tokens, experts, top_k, n_group, topk_group in ((1, 32, 8, 8, 4), (16, 32, 8, 8, 4), (9, 12, 3, 4, 2),
-                                                            (5, 8, 3, 4, 2), (7, 10, 4, 1, 1), (0, 16, 2, 4, 2)):
+                                                            (5, 8, 3, 4, 2), (7, 10, 4, 1, 1), (0, 16, 2, 4, 2),
+                                                            (37, 60, 4, 1, 1)):
             logits = (3 * torch.randn(tokens, experts, generator=g)).to(dtype)
             if tokens >= 5:
                 logits[1] = 0.0  # every score tied
                 logits[2, 0] = float("nan")
                 logits[3, ::3] = float("inf")
                 logits[4, : experts // 2] = -float("inf")
-            for bias in (None, 0.05 * torch.randn(experts, generator=g), torch.where(
-                    torch.arange(experts) % 5 == 0, float("inf"), 0.0), torch.full((experts,), float("nan"))):
-                for renormalize, factor in ((True, 2.5), (False, 1.0), (True, 1.0)):
-                    args = (logits, bias, top_k, "sigmoid", renormalize, n_group, topk_group, factor)
-                    (w1, i1), (w2, i2) = route._moe_route_lean(*args), route.moe_route_reference(*args)
-                    assert w1.dtype == w2.dtype and torch.equal(i1, i2), args
-                    assert torch.equal(w1.nan_to_num(nan=-7.0), w2.nan_to_num(nan=-7.0)), args
+            for scoring in route_module.SCORINGS:
+                groups = (n_group, topk_group) if scoring == "sigmoid" else (1, 1)
+                for bias in (None, 0.05 * torch.randn(experts, generator=g),
+                             torch.where(torch.arange(experts) % 5 == 0, float("inf"), 0.0),
+                             torch.full((experts,), float("nan"))):
+                    for renormalize, factor in ((True, 2.5), (False, 1.0)):
+                        yield (logits, bias, top_k, scoring, renormalize, *groups, factor)
+
+
+def test_the_keyed_choice_is_the_reference_bit_for_bit():
+    """Eagerly, the choice with keyed top-k computes the reference's results bit for bit (what the
+    compiled path traces)."""
+    g = torch.Generator().manual_seed(4)
+    for args in _routing_cases(g):
+        scores = route_module._scores(args[0], args[3])
+        (w1, i1), (w2, i2) = route_module._choose_keyed(scores, *args[1:]), route_module.moe_route_reference(*args)
+        assert w1.dtype == w2.dtype and torch.equal(i1, i2), args
+        assert torch.equal(w1.nan_to_num(nan=-7.0), w2.nan_to_num(nan=-7.0)), args
 
 
 def test_keyed_top_k_orders_as_the_stable_sort():
-    """Ties (bf16 logits, equal rows), scores that underflow to 0 (-inf and far-off logits), NaN rows,
-    many rows: torch.topk of the keys picks what the stable descending sort picks, in its order."""
-    route = importlib.import_module("hw_agnostic.ops.moe_route")
+    """Ties (bf16 logits, equal rows), zeros of both signs, infinities, subnormals, scores that
+    underflow to 0 (-inf and far-off logits), NaN rows made +inf, many rows: torch.topk of the keys
+    picks what the stable descending sort picks, in its order."""
     g = torch.Generator().manual_seed(5)
     logits = (2 * torch.randn(300, 128, generator=g)).bfloat16().float()
     logits[1] = 0.0  # all tied
@@ -1025,13 +1015,51 @@ def test_keyed_top_k_orders_as_the_stable_sort():
     logits[4, 7] = float("nan")  # a NaN row
     logits[5, ::2] = float("inf")  # inf - inf: NaN
     logits[6] = 1e-3 * torch.arange(128)  # neighbouring fp32 scores
-    scores = torch.softmax(logits, dim=-1)
-    assert (scores[3] == 0).sum() == 125 and scores[4].isnan().all()
-    for k in (1, 8, 127, 128):
-        assert torch.equal(route._top_keyed(scores, k), route._top(route._nan_as_inf(scores), k)), k
+    scores = route_module._nan_as_inf(torch.softmax(logits, dim=-1))
+    assert (scores[3] == 0).sum() == 125 and scores[4].isinf().all()
+    signed = (2 * torch.randn(300, 128, generator=g)).bfloat16().float()
+    signed[0] = torch.tensor([0.0, -0.0] * 64)  # zeros of both signs tie
+    signed[1, ::2], signed[1, 1::2] = -float("inf"), float("inf")
+    signed[2] = torch.tensor([1e-45, -1e-45, 1e-40, -1e-40] * 32)  # subnormals
+    signed[3] = torch.linspace(-3.0, 3.0, 128)
+    for values in (scores, signed):
+        for k in (1, 8, 127, 128):
+            assert torch.equal(route_module._top_keyed(values, k), route_module._top(values, k)), k
     for experts in (1, 2, 3, 257):
-        few = torch.softmax(torch.randn(9, experts, generator=g).bfloat16().float(), dim=-1)
-        assert torch.equal(route._top_keyed(few, experts), route._top(route._nan_as_inf(few), experts))
+        few = torch.randn(9, experts, generator=g).bfloat16().float()
+        assert torch.equal(route_module._top_keyed(few, experts), route_module._top(few, experts))
+
+
+@pytest.mark.parametrize("args", [
+    (torch.bfloat16, 128, 8, "softmax", None, True, 1, 1, 1.0),  # Qwen3-MoE
+    (torch.float32, 32, 8, "sigmoid", "bias", True, 8, 4, 2.5),  # DeepSeek-V3
+    (torch.float64, 12, 3, "sigmoid", "bias", True, 4, 2, 2.5),  # fp64 scores: the sort
+], ids=lambda args: f"{args[3]}-{args[0]}")
+def test_the_compiled_choice_picks_the_reference_experts(args):
+    """The reference provider's compiled path, on calls with ties, NaN and infinite logits and
+    biases, several row counts of one compiled graph: the reference's experts, and its weights up to
+    the order of one sum."""
+    dtype, experts, top_k, scoring, bias, renormalize, n_group, topk_group, factor = args
+    route = route_module._KeyedRoute("moe_route", route_module.moe_route_reference)
+    g = torch.Generator().manual_seed(6)
+    for tokens in (1, 16, 300):
+        logits = (3 * torch.randn(tokens, experts, generator=g)).to(dtype)
+        logits[0, :3] = logits[0, 3]  # tied
+        if tokens > 4:
+            logits[1] = 0.0
+            logits[2, 0] = float("nan")
+            logits[3, ::3] = float("inf")
+            logits[4, : experts // 2] = -float("inf")
+        correction = None if bias is None else torch.where(torch.arange(experts) % 7 == 0, float("inf"),
+                                                           0.05 * torch.randn(experts, generator=g))
+        call = (logits, correction, top_k, scoring, renormalize, n_group, topk_group, factor)
+        expected_weights, expected_ids = route_module.moe_route_reference(*call)
+        bound = route.bind(call)
+        assert bound is not None, "the call takes the compiled graph"
+        for weights, ids in (route(*call), bound(*call)):
+            assert torch.equal(ids, expected_ids)
+            assert_close(weights, expected_weights, torch.float32)
+    assert route.choose.has_compiled
 
 
 @pytest.mark.slow
