@@ -43,16 +43,19 @@ def moe_route_reference(
     topk_group: int,
     routed_scaling_factor: float,
 ) -> tuple[Tensor, Tensor]:
+    return _choose(_scores(router_logits, scoring), correction_bias, top_k, scoring, renormalize, n_group, topk_group,
+                   routed_scaling_factor, _top)
+
+
+def _scores(router_logits: Tensor, scoring: str) -> Tensor:
+    """What the experts are chosen by, in fp32 (fp64 for fp64 logits): the softmax or the sigmoid
+    of the logits, or the logits themselves (the scorings that take the top-k first)."""
     compute = torch.promote_types(router_logits.dtype, torch.float32)
-    logits = router_logits.to(compute)
     if scoring == "softmax":
-        scores = torch.softmax(logits, dim=-1)
-    elif scoring == "sigmoid":
-        scores = torch.sigmoid(logits)
-    else:
-        scores = logits
-    return _choose(scores, correction_bias, top_k, scoring, renormalize, n_group, topk_group, routed_scaling_factor,
-                   _top)
+        return torch.softmax(router_logits, dim=-1, dtype=compute)  # the upcast fused: the same values
+    if scoring == "sigmoid":
+        return torch.sigmoid(router_logits.to(compute))
+    return router_logits.to(compute)
 
 
 def _choose(scores: Tensor, correction_bias: Optional[Tensor], top_k: int, scoring: str, renormalize: bool,
@@ -125,16 +128,6 @@ def _choose_keyed(scores: Tensor, correction_bias: Optional[Tensor], top_k: int,
                    _top_keyed)
 
 
-def _scores(router_logits: Tensor, scoring: str) -> Tensor:
-    """The reference's scores, bit for bit (softmax's upcast fused into it)."""
-    compute = torch.promote_types(router_logits.dtype, torch.float32)
-    if scoring == "softmax":
-        return torch.softmax(router_logits, dim=-1, dtype=compute)
-    if scoring == "sigmoid":
-        return torch.sigmoid(router_logits.to(compute))
-    return router_logits.to(compute)
-
-
 class _KeyedRoute:
     """The scores by ATen's kernels, the choice compiled with integer keys for its top-k.
 
@@ -157,11 +150,10 @@ class _KeyedRoute:
     def bind(self, args: tuple) -> Optional[Callable[..., tuple[Tensor, Tensor]]]:
         """See :meth:`.CompiledReference.bind` (the scores' metadata follows from the logits')."""
         logits, rest = args[0], args[1:]
-        compute = torch.promote_types(logits.dtype, torch.float32)
-        choose = self.choose.bind((torch.empty(logits.shape, dtype=compute, device=logits.device), *rest))
+        scoring = rest[2]
+        choose = self.choose.bind((_scores(logits, scoring), *rest))
         if choose is None:
             return None
-        scoring = rest[2]
 
         def run(router_logits: Tensor, *rest: Any) -> tuple[Tensor, Tensor]:
             return choose(_scores(router_logits, scoring), *rest)
