@@ -804,9 +804,8 @@ def attention_refusal(module: nn.Module) -> str | None:
     """
     if isinstance(module, PagedAttention) or not isinstance(module, nn.Module):
         return NOT_ATTENTION
-    try:
-        source = inspect.getsource(inspect.unwrap(type(module).forward))
-    except (OSError, TypeError):
+    source = _forward_source(type(module))
+    if source is None:
         return NOT_ATTENTION
     dispatches, writes = "ALL_ATTENTION_FUNCTIONS" in source, _WRITES_KV.search(source) is not None
     if not dispatches and not writes or not any(True for _ in module.parameters()):
@@ -823,6 +822,16 @@ def attention_refusal(module: nn.Module) -> str | None:
     if getattr(module, "kv_lora_rank", None) or (key_dim is not None and value_dim is not None and key_dim != value_dim):
         return "latent attention (low-rank K/V with their own head layout, as DeepSeek's MLA)"
     return kv_flow(type(module)).refusal
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_source(cls: type) -> str | None:
+    """The source of ``cls.forward`` (None: none to read). Asked of every module of a model, a class
+    at a time: reading it took 0.4 of a 32-layer model's 1.1 s rewire before it was kept."""
+    try:
+        return inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError):
+        return None
 
 
 NOT_ATTENTION = "not an attention module"

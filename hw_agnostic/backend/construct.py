@@ -36,7 +36,7 @@ from ..layers import resolve
 from ..layers.made_class import made_by
 from . import checkpoint
 from .detect import MLPSpec, detect_gated_mlp
-from .detect_norms import NormSpec, detect_rms_norm
+from .detect_norms import Detections, NormSpec, detect_rms_norm
 from .report import RewireReport
 from .changes import Change
 from .rewire import rewire
@@ -91,8 +91,9 @@ def prepare(config: Any, model_class: Any = None) -> tuple[type, _Patches]:
     by_class: dict[type, list[tuple[str, nn.Module]]] = {}
     for path, module in skeleton.named_modules():
         by_class.setdefault(type(module), []).append((path, module))
+    detections = Detections()
     for cls, instances in by_class.items():
-        specs = [detect_rms_norm(m) for _, m in instances]
+        specs = [detections(detect_rms_norm, m) for _, m in instances]
         if all(isinstance(s, NormSpec) for s in specs):
             adapter = _norm_adapter(cls, specs)
             if adapter is not None:

@@ -67,6 +67,7 @@ from .detect import (
     looks_like_mlp,
 )
 from .detect_norms import (
+    Detections,
     GatedNormSpec,
     LayerNormSpec,
     NormSpec,
@@ -196,12 +197,13 @@ def finish(model: nn.Module, made: list[Change], report: RewireReport,
 def _norms_and_mlps(model: nn.Module, report: RewireReport, options: Options) -> list[Change]:
     made: list[Change] = []
     replaced: set[str] = set()
+    detections = Detections()
     for path, module in list(model.named_modules()):
         if not path or any(path.startswith(done + ".") for done in replaced):
             continue
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path)
-        change = _replacement(parent, name, path, module, report, options.verify)
+        change = _replacement(parent, name, path, module, report, options.verify, detections)
         if change is not None:
             made.append(change)
             replaced.add(path)
@@ -209,12 +211,12 @@ def _norms_and_mlps(model: nn.Module, report: RewireReport, options: Options) ->
 
 
 def _replacement(parent: nn.Module, name: str, path: str, module: nn.Module, report: RewireReport,
-                 verify: bool) -> Change | None:
+                 verify: bool, detections: Detections) -> Change | None:
     if isinstance(module, (CustomOp, PluggableLayer)):
         return None  # ours already (or a plugin's)
     reasons: list[str] = []
     for detect, build, describe in _NORMS:
-        spec = detect(module)
+        spec = detections(detect, module)
         if isinstance(spec, NotDetected):
             reasons.append(spec.reason)
         elif spec is not None:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hw_agnostic.backend.detect_norms import (
+    Detections,
     GatedNormSpec,
     LayerNormSpec,
     NormSpec,
@@ -118,3 +119,67 @@ def test_modules_that_only_look_like_norms_are_reported_not_replaced():
     assert isinstance(detect_layer_norm(rms), NotDetected)
     for module in (nn.Linear(8, 8), nn.Linear(8, 8, bias=False), nn.Embedding(10, 8), nn.Dropout(0.1)):
         assert detect_layer_norm(module) is None and detect_gated_rms_norm(module) is None
+
+
+class ConfiguredRMSNorm(nn.Module):
+    """An RMS norm whose forward also reads a shared config object and an optional tensor attribute."""
+
+    def __init__(self, n, eps=1e-6, config=None, scale=None):
+        super().__init__()
+        self.weight, self.variance_epsilon, self.config, self.scale = nn.Parameter(torch.ones(n)), eps, config, scale
+
+    def forward(self, x):
+        xf = x.float()
+        eps = self.config.eps if self.config is not None else self.variance_epsilon
+        y = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return y * self.scale if self.scale is not None else y
+
+
+class Config:
+    def __init__(self, eps):
+        self.eps = eps
+
+
+def _counted(detect):
+    calls = []
+
+    def counting(module):
+        calls.append(module)
+        return detect(module)
+
+    return counting, calls
+
+
+def test_modules_computing_the_same_function_share_one_detection():
+    detections, (detect, calls) = Detections(), _counted(detect_rms_norm)
+    config = Config(1e-5)
+    for modules in ([ConfiguredRMSNorm(32) for _ in range(4)],
+                    [ConfiguredRMSNorm(32, config=config) for _ in range(3)]):
+        calls.clear()
+        specs = [detections(detect, m) for m in modules]
+        assert len(calls) == 1 and specs == [detect_rms_norm(modules[-1])] * len(modules), specs
+        assert isinstance(specs[0], NormSpec)
+
+
+def test_modules_that_may_compute_differently_are_detected_each():
+    hooked = ConfiguredRMSNorm(32)
+    hooked.register_forward_hook(lambda module, args, out: out * 2)
+    buffered = ConfiguredRMSNorm(32)
+    buffered.register_buffer("offset", torch.zeros(1))
+    groups = {
+        "eps": [ConfiguredRMSNorm(32, eps=1e-6), ConfiguredRMSNorm(32, eps=1e-5)],
+        "width": [ConfiguredRMSNorm(32), ConfiguredRMSNorm(48)],
+        "config": [ConfiguredRMSNorm(32, config=Config(1e-6)), ConfiguredRMSNorm(32, config=Config(1e-2))],
+        "tensor attribute": [ConfiguredRMSNorm(32, scale=torch.tensor(1.0)),
+                             ConfiguredRMSNorm(32, scale=torch.tensor(3.0))],
+        "hook": [ConfiguredRMSNorm(32), hooked],
+        "buffer": [ConfiguredRMSNorm(32), buffered],
+        "training": [ConfiguredRMSNorm(32), ConfiguredRMSNorm(32).eval()],
+    }
+    for why, modules in groups.items():
+        detections, (detect, calls) = Detections(), _counted(detect_rms_norm)
+        specs = [detections(detect, m) for m in modules]
+        assert len(calls) == len(modules), why
+        assert specs == [detect_rms_norm(m) for m in modules], why
+    assert isinstance(detect_rms_norm(hooked), NotDetected)  # the hook doubles the output: no RMS norm
+    assert isinstance(detect_rms_norm(groups["tensor attribute"][1]), NotDetected)
