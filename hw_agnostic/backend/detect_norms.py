@@ -77,7 +77,7 @@ class Detections:
 
     def _frozen(self, value: Any) -> Any:
         if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
-            return value
+            return (type(value), value)  # True, 1 and 1.0 are equal keys, not always the same forward
         if isinstance(value, Tensor):
             return _UNKEYED  # its values may reach the forward
         if isinstance(value, (tuple, list, set, frozenset, dict)):

@@ -175,6 +175,7 @@ def test_modules_that_may_compute_differently_are_detected_each():
         "hook": [ConfiguredRMSNorm(32), hooked],
         "buffer": [ConfiguredRMSNorm(32), buffered],
         "training": [ConfiguredRMSNorm(32), ConfiguredRMSNorm(32).eval()],
+        "eps type": [ConfiguredRMSNorm(32, eps=1), ConfiguredRMSNorm(32, eps=1.0)],
     }
     for why, modules in groups.items():
         detections, (detect, calls) = Detections(), _counted(detect_rms_norm)
