@@ -64,33 +64,32 @@ class Detections:
     def _key(self, module: nn.Module) -> tuple[Any, ...] | None:
         if module._buffers or module._modules:
             return None  # a buffer's values reach the forward; a parent is no norm to any detector
-        state = []
-        for name, value in vars(module).items():
-            if name in ("_parameters", "_buffers", "_modules") or "state_dict" in name:
-                continue  # the parameters are keyed below; (de)serialisation hooks never run in a forward
-            frozen = self._frozen(value)
-            if frozen is _UNKEYED:
-                return None
-            state.append((name, frozen))
+        try:
+            state = tuple((name, self._frozen(value)) for name, value in vars(module).items()
+                          # the parameters are keyed below; (de)serialisation hooks never run in a forward
+                          if name not in ("_parameters", "_buffers", "_modules") and "state_dict" not in name)
+        except _Unkeyed:
+            return None
         params = ((name, None if p is None else (tuple(p.shape), p.dtype)) for name, p in module._parameters.items())
-        return (type(module), tuple(state), tuple(params))
+        return (type(module), state, tuple(params))
 
     def _frozen(self, value: Any) -> Any:
         if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
             return (type(value), value)  # True, 1 and 1.0 are equal keys, not always the same forward
         if isinstance(value, Tensor):
-            return _UNKEYED  # its values may reach the forward
-        if isinstance(value, (tuple, list, set, frozenset, dict)):
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            frozen = [(self._frozen(k) if isinstance(value, dict) else None, self._frozen(v)) for k, v in items]
-            if any(_UNKEYED in pair for pair in frozen):
-                return _UNKEYED
-            return (type(value), frozenset(frozen) if isinstance(value, (set, frozenset)) else tuple(frozen))
+            raise _Unkeyed  # its values may reach the forward
+        if isinstance(value, dict):
+            return (type(value), tuple((self._frozen(k), self._frozen(v)) for k, v in value.items()))
+        if isinstance(value, (tuple, list)):
+            return (type(value), tuple(self._frozen(v) for v in value))
+        if isinstance(value, (set, frozenset)):
+            return (type(value), frozenset(self._frozen(v) for v in value))
         self._alive.append(value)
         return ("object", id(value))
 
 
-_UNKEYED = object()
+class _Unkeyed(Exception):
+    """A module state the detections cannot key on (a tensor's values)."""
 
 
 # --------------------------------------------------------------------------------------------
