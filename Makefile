@@ -24,7 +24,8 @@ BENCH_ARGS ?=
 # Compile targets of the compile tier and compile-report (sm_80,sm_90,sm_100,gfx942,gfx1100).
 COMPILE_TARGETS ?= all
 
-.PHONY: test test-cpu-tiers test-reference test-triton-interpret test-helion-interpret test-compile test-compile-harness test-compile-triton36 test-zoo zoo-coverage test-vllm mutation bench autotune demo \
+.PHONY: test test-cpu-tiers test-reference test-triton-interpret test-triton-interpret-all test-helion-interpret \
+	test-compile test-compile-harness test-compile-triton36 test-zoo zoo-coverage test-vllm mutation bench autotune demo \
 	doctor compile-report target-defaults gpu-campaign gpu-wheels clean
 
 $(VENV)/.installed-%: pyproject.toml
@@ -56,7 +57,21 @@ test-zoo: $(VENV)/.installed-test
 zoo-coverage: $(VENV)/.installed-test
 	$(PY) -m tests.zoo.coverage
 
+# Under the Triton interpreter each new kernel specialisation costs seconds of Helion binding and
+# code generation (about 80% of the tier's time), so `make test` runs there the tests of the
+# generated code op by op: every op's harness cases (tests named *_dsl: odd shapes, strides, dtypes,
+# configs), 64-bit indexing, NaN and infinities, the replayed launches and the interpreter's fixes.
+# The DSL tests that compose ops (model logits, rewired models, generate), draw at random or compare
+# with HF modules run under Helion's interpreter in `make test`, and under Triton's too with
+# `make test-triton-interpret-all` (about 12 minutes on 2 cores): run it when a kernel, its configs
+# or Helion change.
+TRITON_TIER_TESTS = -k "_dsl or int64 or test_nonfinite or test_launch_binding or test_interpret" \
+	tests/ops tests/test_nonfinite.py tests/test_launch_binding.py tests/test_interpret.py
+
 test-triton-interpret: $(VENV)/.installed-test
+	TRITON_INTERPRET=1 $(PYTEST) -m dsl $(TRITON_TIER_TESTS)
+
+test-triton-interpret-all: $(VENV)/.installed-test
 	TRITON_INTERPRET=1 $(PYTEST) -m dsl tests
 
 test-helion-interpret: $(VENV)/.installed-test
