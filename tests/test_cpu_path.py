@@ -49,8 +49,17 @@ def _without_config(case: Case) -> Case:
 
 
 # One case per dtype x numerics, plus strides, leading dims, zero rows and a wide row: each new
-# (dtypes, ranks, scalars) combination compiles once (~2 s), so not the whole kernel grid.
-NORM_CASES = [c for c in norm_tests.RMS_CASES if c.config is None and ("-37-" in f"-{c.id}" or "7x37" in c.id
+# (dtypes, ranks, scalars) combination compiles once (2-3 s with Inductor's cache cold, as on a fresh
+# machine), so not the whole kernel grid. eps is a constant of the graph: another eps is another
+# compile of the same code, so one dtype and numerics carries the large-eps variant.
+
+
+def _one_large_eps(case: Case) -> bool:
+    return "eps0.01" not in case.id or "bfloat16-llama" in case.id
+
+
+NORM_CASES = [c for c in norm_tests.RMS_CASES if c.config is None and _one_large_eps(c) and (
+              "-37-" in f"-{c.id}" or "7x37" in c.id
               or any(tag in c.id for tag in ("padded", "inner_stride", "permuted", "0x64", "2x3x48", "wfloat32")))]
 
 
@@ -60,7 +69,7 @@ def test_rms_norm(case):
     check_provider(rms_norm.rms_norm_op, "reference", _without_config(case), "cpu")
 
 
-FUSED_NORM_CASES = [c for c in norm_tests.FUSED_CASES if c.config is None and (
+FUSED_NORM_CASES = [c for c in norm_tests.FUSED_CASES if c.config is None and _one_large_eps(c) and (
     "7x37-bfloat16" in c.id or "7x37-float32-llama" in c.id or "padded" in c.id or "0x64" in c.id)]
 
 
@@ -185,9 +194,17 @@ def test_norms_run_one_compiled_graph_per_specialisation_called_without_dynamo(m
 # elsewhere (cast_then_affine, per-head parameters): every case of the DSL tiers but the small-config
 # repeats (no kernel config applies here).
 # Calls of more rows than NATIVE_ROWS allows run the compiled reference: one case of each form there.
-LAYER_NORM_CASES = [*(c for c in layer_norm_tests.LN_CASES if c.config is None),
+# Of the 7x37 grid of dtypes and numerics, every numerics in bf16 and one case of each other dtype.
+
+
+def _ln_grid_thinned(case: Case) -> bool:
+    return not case.id.startswith("7x37-") or case.id.startswith(
+        ("7x37-bfloat16-", "7x37-float32-fp32-", "7x37-float16-cast_then_affine-"))
+
+
+LAYER_NORM_CASES = [*(c for c in layer_norm_tests.LN_CASES if c.config is None and _ln_grid_thinned(c)),
                     layer_norm_tests.ln_case((300,), 64, torch.bfloat16)]
-FUSED_LAYER_NORM_CASES = [*(c for c in layer_norm_tests.FUSED_CASES if c.config is None),
+FUSED_LAYER_NORM_CASES = [*(c for c in layer_norm_tests.FUSED_CASES if c.config is None and _ln_grid_thinned(c)),
                           layer_norm_tests.ln_case((300,), 64, torch.bfloat16, fused=True)]
 
 

@@ -268,12 +268,16 @@ def test_interpreted_attention_on_the_kernels(family, implementation):
 
 
 def test_compiled_forward_in_generate():
-    """Inside a compiled model the module runs eagerly (a graph break), still on the kernel."""
+    """Inside a compiled model the module runs eagerly (a graph break), still on the kernel.
+
+    Dynamo's tracing and AOTAutograd's (our ops' fake implementations) decide that; Inductor's code
+    generation, which tests/test_compile.py covers, would add a minute of C++ compiles on a fresh
+    machine for the graphs around the break."""
     model, reference = _build("xglm")
     rewire(model)
     ids, mask = _padded()
     kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    model.forward = torch.compile(model.forward)
+    model.forward = torch.compile(model.forward, backend="aot_eager")
     with torch.no_grad(), ops.trace_dispatch() as record:
         got = model.generate(ids, **kwargs)
     with torch.no_grad():
