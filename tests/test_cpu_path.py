@@ -161,6 +161,15 @@ def test_native_mode_runs_native_forms_at_every_size_and_compiles_nothing(monkey
     assert moe.plan(logits, None, 2, "softmax", True, 1, 1, 1.0).run is moe.reference
 
 
+def test_moe_align_runs_its_reference_uncompiled_on_the_cpu(monkeypatch):
+    """Compiling it cost seconds per token bucket for a fraction of a 0.2 ms call (see its ``_native``)."""
+    monkeypatch.setenv(registry.COMPILE_ENV, "1")
+    ops.reset()
+    op = ops.get_op("moe_align")
+    for tokens in (1, 16, 300):
+        assert op.plan(torch.randint(0, 8, (tokens, 2)), 8, 16).run is op.reference
+
+
 @pytest.mark.slow
 def test_norms_run_one_compiled_graph_per_specialisation_called_without_dynamo(monkeypatch):
     """Token counts and hidden sizes share a graph; small calls (up to 64K elements) have their own
