@@ -60,14 +60,15 @@ zoo-coverage: $(VENV)/.installed-test
 
 # Under the Triton interpreter each new kernel specialisation costs seconds of Helion binding and
 # code generation (about 80% of the tier's time), so `make test` runs there the tests of the
-# generated code op by op: every op's harness cases (tests named *_dsl: odd shapes, strides, dtypes,
-# configs), 64-bit indexing, NaN and infinities, the replayed launches and the interpreter's fixes.
-# The DSL tests that compose ops (model logits, rewired models, generate), draw at random or compare
-# with HF modules run under Helion's interpreter in `make test`, and under Triton's too with
-# `make test-triton-interpret-all` (about 12 minutes on 2 cores): run it when a kernel, its configs
-# or Helion change.
+# generated code op by op: every op's harness cases (tests named *_dsl: odd shapes, strides,
+# configs) with bf16 and fp32 inputs, 64-bit indexing, NaN and infinities, the replayed launches and
+# the interpreter's fixes. The fp16 cases (a sixth of the tier: code the bf16 cases generate, but
+# for the dtype), the DSL tests that compose ops (model logits, rewired models, generate), draw at
+# random or compare with HF modules run under Helion's interpreter in `make test`, and under
+# Triton's too with `make test-triton-interpret-all` (about 12 minutes on 2 cores): run it when a
+# kernel, its configs or Helion change.
 TRITON_TIER_TESTS = -k "_dsl or int64 or test_nonfinite or test_launch_binding or test_interpret" \
-	tests/ops tests/test_nonfinite.py tests/test_launch_binding.py tests/test_interpret.py
+	--without-dtype float16 tests/ops tests/test_nonfinite.py tests/test_launch_binding.py tests/test_interpret.py
 
 test-triton-interpret: $(VENV)/.installed-test
 	TRITON_INTERPRET=1 $(PYTEST) -m dsl $(TRITON_TIER_TESTS)

@@ -69,7 +69,38 @@ def kernel_device() -> str | None:
     return None
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--without-dtype", action="append", default=[], metavar="DTYPE",
+        help="deselect the parametrized tests of inputs of this dtype (a torch dtype name, e.g. float16): a "
+             "torch.dtype parameter, or a token of the test's id (float16 also as fp16, bfloat16 as bf16)")
+
+
+#: the short names test ids also give a dtype (not fp32: it names a numerics mode too)
+DTYPE_ALIASES = {"float16": {"fp16"}, "bfloat16": {"bf16"}}
+
+
+def _deselect_dtypes(config: pytest.Config, items: list[pytest.Item]) -> None:
+    names = set(config.getoption("without_dtype"))
+    unknown = {n for n in names if not isinstance(getattr(torch, n, None), torch.dtype)}
+    if unknown:
+        raise pytest.UsageError(f"--without-dtype: {sorted(unknown)} name no torch dtype")
+    dtypes = {getattr(torch, n) for n in names}
+    tokens = names.union(*(DTYPE_ALIASES.get(n, set()) for n in names))
+    kept, dropped = [], []
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        drop = spec is not None and (any(v in dtypes for v in spec.params.values() if isinstance(v, torch.dtype))
+                                     or not tokens.isdisjoint(re.split(r"[-\[\]]", spec.id)))
+        (dropped if drop else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("without_dtype"):
+        _deselect_dtypes(config, items)
     no_kernels = pytest.mark.skip(reason="no GPU and no CPU interpreter (TRITON_INTERPRET=1 / HELION_INTERPRET=1)")
     no_gpu = pytest.mark.skip(reason="needs a GPU")
     for item in items:
