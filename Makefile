@@ -26,7 +26,7 @@ COMPILE_TARGETS ?= all
 
 .PHONY: test test-cpu-tiers test-reference test-triton-interpret test-triton-interpret-all test-helion-interpret \
 	test-compile test-compile-harness test-compile-triton36 test-zoo zoo-coverage test-vllm mutation bench autotune demo \
-	doctor compile-report target-defaults gpu-campaign gpu-wheels clean
+	doctor compile-report target-defaults gpu-campaign test-gpu-campaign gpu-wheels clean
 
 $(VENV)/.installed-%: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,8 +47,9 @@ test-cpu-tiers:
 	@$(MAKE) --no-print-directory -j1 test-reference test-triton-interpret test-helion-interpret test-compile
 
 # The plain CPU path, the zoo included: one session starts, collects and drains its workers once.
+# Not the GPU campaign's dry run (make test-gpu-campaign).
 test-reference: $(VENV)/.installed-test
-	$(PYTEST) tests
+	$(PYTEST) -m "not campaign" tests
 
 # Every causal-LM family transformers ships, tiny, rewired and checked against itself (in test-reference too).
 test-zoo: $(VENV)/.installed-test
@@ -152,6 +153,11 @@ target-defaults: $(VENV)/.installed-bench
 # `make gpu-wheels`); its image's python3 has torch and triton. DRY_RUN=1 tries it on a CPU.
 gpu-campaign:
 	python3 bench/gpu_campaign.py $(if $(DRY_RUN),--dry-run)
+
+# The campaign's dry run with its checks (phases, packing): before a GPU run, and when the script or
+# what it calls changes (about 1.5 minutes; not in make test).
+test-gpu-campaign: $(VENV)/.installed-test
+	$(PY) -m pytest -q -m campaign tests/test_gpu_campaign.py
 
 # Python 3.12 wheels for the GPU image (torch 2.11, triton 3.6, transformers 5.17): what it lacks.
 GPU_WHEELS ?= helion==1.5.0 filecheck==1.0.6 liger-kernel==0.8.5 transformers==5.24.0

@@ -2,7 +2,9 @@
 
 So the script is known to work the first time a GPU machine runs it: the same phases, the same
 commands (pytest, the tuner, ``python -m bench``), the same packing into at most 8 files of
-``$OUT``; only the device, the subsets and the budgets differ.
+``$OUT``; only the device, the subsets and the budgets differ. ``make test-gpu-campaign`` runs it
+(a minute and a half on 2 cores, five fresh processes importing torch and Helion); ``make test``
+leaves it out: run it before a GPU run and when the script or what it calls changes.
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
+
+pytestmark = [pytest.mark.campaign]
 
 
 def test_the_dry_run_runs_every_phase_and_packs_the_results(tmp_path):
