@@ -32,8 +32,7 @@ from .tiny_models import FAMILIES, build  # noqa: E402
 HERE = Path(__file__).parent
 PROMPTS = [[1, 5, 6, 7], [1, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [1, 20], [1, 4, 30, 31, 32, 33]]
 MAX_TOKENS = 12
-#: A child takes 1-3 minutes alone; `make test` runs this tier beside the CPU tiers, which can double that.
-CHILD_TIMEOUT_S = 900
+CHILD_TIMEOUT_S = 420
 
 
 def _inspect_model_classes(root: Path) -> Path:
