@@ -2,7 +2,7 @@
 
 For each family that builds offline at tiny size (:mod:`tests.zoo.families`), fp32: ``rewire``
 must leave the model computing what it computed (logits of a left-padded batch within the
-tolerance table, 16 greedy tokens identical, also on a ``StaticCache``), never raise, and its report must explain every
+tolerance table, 12 greedy tokens identical, also on a ``StaticCache``), never raise, and its report must explain every
 norm, MLP and attention module it did not replace. Families that cannot be built or run offline
 at tiny size even without rewiring are listed in :data:`tests.zoo.families.UNBUILDABLE` with why;
 the test fails if one of them starts working (take it off the list) or another one stops.
@@ -23,7 +23,9 @@ from tests.zoo.families import UNBUILDABLE, build, families
 
 pytestmark = [pytest.mark.zoo]
 
-NEW_TOKENS = 16
+#: 7 prompt positions + 12 new ones pass the tiny configs' 16-key sliding windows (families.py) and the
+#: paged cache's 16-slot blocks; generate() is about half of the zoo's time.
+NEW_TOKENS = 12
 #: class names of the modules the report must account for (a test heuristic, not a detection rule)
 CANDIDATE = re.compile(r"(RMSNorm|LayerNorm|Norm|MLP|Attention)$")
 
