@@ -5,6 +5,7 @@ The suites themselves measure real ops for minutes; here a fake suite stands in 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -16,7 +17,7 @@ import torch
 
 from bench import __main__ as harness
 from bench import report
-from bench.timing import MIN_SAMPLES, Timing, measure_all
+from bench.timing import MIN_SAMPLES, Timing, _cpu_rounds, measure_all
 
 
 def test_a_timing_keeps_its_distribution():
@@ -50,6 +51,18 @@ def test_candidates_are_measured_together_and_a_failing_one_gets_an_error():
         assert row["runs"] >= MIN_SAMPLES and row["first_call_s"] >= 0
     assert calls["a"] >= MIN_SAMPLES and calls["b"] >= MIN_SAMPLES
 
+
+
+def test_no_candidate_always_follows_the_same_neighbour():
+    """A sample taken right after a large neighbour pays for that neighbour's freed memory (page
+    faults on its fresh outputs): each round orders the candidates anew."""
+    log: list[str] = []
+    candidates = {name: functools.partial(log.append, name) for name in "abcd"}
+    _cpu_rounds(candidates, min_time_s=0.01)
+    timed = log[len(candidates):]  # after one calibrating call each
+    samples = [name for i, name in enumerate(timed) if i == 0 or timed[i - 1] != name]
+    followed = {name: {samples[i - 1] for i in range(1, len(samples)) if samples[i] == name} for name in candidates}
+    assert all(len(before) >= 2 for before in followed.values()), followed
 
 def _rows(ours: tuple[float, float, float], theirs: tuple[float, float, float], *, op="rms_norm", shape="1x8",
           tokens=1, gbps=1.0) -> list[dict]:
