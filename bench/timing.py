@@ -10,7 +10,8 @@ min, max, quartiles and the number of runs, so a reader can tell a 5% gain from 
 
 :func:`measure_all` times the candidates of one row (ours and each baseline) in interleaved
 rounds on the CPU, so load that comes and goes on a shared machine hits them all alike and
-their ratio stays meaningful.
+their ratio stays meaningful; each round in a new (seeded) order, so that no candidate always
+runs right after the same neighbour and pays for the memory it freed.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def measure(fn: Callable[[], Any], device: torch.device, *, min_time_s: float = 
 
 
 def _cpu_rounds(candidates: dict[str, Callable[[], Any]], min_time_s: float) -> dict[str, Timing]:
-    """Interleaved rounds of samples, one sample of every candidate per round (warmed up already)."""
+    """Interleaved rounds of samples, one sample of every candidate per round, in a new order each
+    round (warmed up already)."""
     calls: dict[str, int] = {}
     round_s = 0.0
     for name, fn in candidates.items():

@@ -52,7 +52,6 @@ def test_candidates_are_measured_together_and_a_failing_one_gets_an_error():
     assert calls["a"] >= MIN_SAMPLES and calls["b"] >= MIN_SAMPLES
 
 
-
 def test_no_candidate_always_follows_the_same_neighbour():
     """A sample taken right after a large neighbour pays for that neighbour's freed memory (page
     faults on its fresh outputs): each round orders the candidates anew."""
@@ -63,6 +62,7 @@ def test_no_candidate_always_follows_the_same_neighbour():
     samples = [name for i, name in enumerate(timed) if i == 0 or timed[i - 1] != name]
     followed = {name: {samples[i - 1] for i in range(1, len(samples)) if samples[i] == name} for name in candidates}
     assert all(len(before) >= 2 for before in followed.values()), followed
+
 
 def _rows(ours: tuple[float, float, float], theirs: tuple[float, float, float], *, op="rms_norm", shape="1x8",
           tokens=1, gbps=1.0) -> list[dict]:
