@@ -207,6 +207,20 @@ def _merged_projection(children: dict[str, Optional[nn.Module]]) -> Optional[QKV
 
 
 @functools.lru_cache(maxsize=64)
+def _head_counts(projection: type, sizes: tuple[int, ...], head_dim: int) -> Optional[tuple[int, ...]]:
+    """The heads of q, k and v in a merged projection of ``sizes`` whose forward is
+    :class:`QKVProjection`'s own, where each part splits into whole heads (None: they do not).
+
+    Then the forward's ``part.view(*input_shape, -1, head_dim).transpose(1, 2)`` of each part is
+    the same view (storage offset, sizes, strides) as the matching split of the merged output's
+    ``[B, T, heads, head_dim]`` view, transposed: one view, one transpose and one split where the
+    parts took a split, three views and three transposes (about 1.3 µs each under ``no_grad``)."""
+    if projection.forward is not QKVProjection.forward or any(size % head_dim for size in sizes):
+        return None
+    return tuple(size // head_dim for size in sizes)
+
+
+@functools.lru_cache(maxsize=64)
 def _namespace(forward: Callable[..., Any], code: types.CodeType) -> Optional[dict[str, Any]]:
     """The globals ``forward`` (a paged module's, maybe its rotary-routed copy) resolves names in,
     when it runs the recognised ``code``."""
@@ -272,8 +286,13 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     # the forward's statements, with the cache binding and the attention function's dispatch inlined
     input_shape = hidden.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
-    q, k, v = qkv.forward(hidden)  # what its q/k/v parts run
-    query, key, value = [part.view(hidden_shape).transpose(1, 2) for part in (q, k, v)]
+    heads = _head_counts(type(qkv), qkv.sizes, module.head_dim) if hidden.dim() == 3 else None
+    if heads is None:
+        q, k, v = qkv.forward(hidden)  # what its q/k/v parts run
+        query, key, value = [part.view(hidden_shape).transpose(1, 2) for part in (q, k, v)]
+    else:  # the same three views, made from the merged output at once (3 ATen calls instead of 7)
+        merged = call(qkv.proj, hidden)
+        query, key, value = merged.view(hidden_shape).transpose(1, 2).split_with_sizes(heads, dim=1)
     cos, sin = rotary
     query, key = namespace["apply_rotary_pos_emb"](query, key, cos, sin)
     mask = arguments.get("attention_mask")

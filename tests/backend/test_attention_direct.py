@@ -11,8 +11,9 @@ from transformers.models.llama import modeling_llama
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from hw_agnostic import rewire
-from hw_agnostic.backend.attention_direct import _TEMPLATE, recognise
+from hw_agnostic.backend.attention_direct import _TEMPLATE, _head_counts, recognise
 from hw_agnostic.layers.attention import _STATE, PagedAttention
+from hw_agnostic.layers.qkv import QKVProjection
 
 from .models import build, prompt
 
@@ -170,3 +171,39 @@ def test_only_the_template_forward_is_recognised(tmp_path):
     assert found["template"] is not None and not found["template"].forwarded
     assert found["scaled values"] is None and found["sinks"] is None
     assert found["window"] is not None and [name for name, _ in found["window"].forwarded] == ["sliding_window"]
+
+
+def test_the_heads_are_the_views_the_forward_makes_of_each_part():
+    """The direct path splits the merged projection's output into heads at once: each of q, k and v
+    is the view the forward's ``part.view(...).transpose(1, 2)`` makes (offset, sizes, strides)."""
+    attention = _rewired("llama").model.layers[0].self_attn
+    qkv, head_dim = attention.qkv_proj, attention.head_dim
+    heads = _head_counts(type(qkv), qkv.sizes, head_dim)
+    assert heads == tuple(size // head_dim for size in qkv.sizes)
+    hidden = torch.randn(2, 5, qkv.proj.in_features)
+    with torch.no_grad():
+        merged = qkv.proj(hidden)
+        got = merged.view(2, 5, -1, head_dim).transpose(1, 2).split_with_sizes(heads, dim=1)
+        want = [part.view(2, 5, -1, head_dim).transpose(1, 2) for part in merged.split_with_sizes(qkv.sizes, dim=-1)]
+    for g, w in zip(got, want):
+        assert (g.data_ptr(), g.shape, g.stride()) == (w.data_ptr(), w.shape, w.stride())
+    assert _head_counts(type(qkv), (64, 48, 48), 32) is None  # a part of no whole number of heads
+
+
+def test_a_plugins_merged_projection_forward_is_still_called():
+    """A QKVProjection whose forward a subclass overrides (an out-of-tree plugin) is called for its
+    parts, not bypassed by the one-view split."""
+    model = _rewired("llama")
+    counts = _count_direct(model)
+    calls = []
+
+    class Logged(QKVProjection):
+        def forward(self, x):
+            calls.append(x.shape)
+            return super().forward(x)
+
+    for layer in model.model.layers:
+        layer.self_attn.qkv_proj.__class__ = Logged
+    with torch.no_grad():
+        model(prompt(batch=1, length=3))
+    assert counts["taken"] == 2 and len(calls) == 2
