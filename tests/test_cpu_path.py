@@ -587,12 +587,29 @@ def test_pages_in_a_regular_layout_are_read_in_place(q_lens, kv_lens, stride, dt
     assert_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("listed", [True, False], ids=["listed", "tensor-ops"])
 @pytest.mark.parametrize("table, regular", [([[3, 4, 5]], (3, 0)), ([[3, 5, 6]], None), ([[0, 1], [4, 5]], (0, 4)),
-                                            ([[4, 5], [0, 1]], None), ([[2, 3], [2, 3]], (2, 0)), ([[7]], (7, 0))],
-                         ids=["one-row", "gap", "rows", "backwards", "shared", "one-block"])
-def test_regular_block_layouts(table, regular):
+                                            ([[4, 5], [0, 1]], None), ([[2, 3], [2, 3]], (2, 0)), ([[7]], (7, 0)),
+                                            ([[0, 1], [3, 4], [7, 8]], None)],
+                         ids=["one-row", "gap", "rows", "backwards", "shared", "one-block", "uneven-rows"])
+def test_regular_block_layouts(table, regular, listed, monkeypatch):
+    """Small tables are read as one list, larger ones by tensor ops: the same verdicts."""
     attention = importlib.import_module("hw_agnostic.ops.paged_attention")
+    if not listed:
+        monkeypatch.setattr(attention, "LISTED_BLOCKS", 0)
     assert attention._regular_blocks(torch.tensor(table, dtype=torch.int32)) == regular
+
+
+@pytest.mark.parametrize("gqa", [True, False], ids=["gqa-heads", "query-rows"])
+@pytest.mark.parametrize("q_lens, kv_lens, stride", [([1], [13], 0), ([1, 1, 1], [9, 9, 9], 5), ([1, 1], [9, 14], 4)],
+                         ids=["decode", "decode-batch", "uneven"])
+def test_small_fp32_decode_runs_gqa_heads_or_query_rows_alike(q_lens, kv_lens, stride, gqa, monkeypatch):
+    """Small fp32 decode calls pass the query heads to SDPA as GQA heads, larger ones as their KV
+    head's query rows: either form computes the spec (within fp32's tolerance)."""
+    attention = importlib.import_module("hw_agnostic.ops.paged_attention")
+    monkeypatch.setattr(attention, "MAX_GQA_DECODE_WORK", 1 << 30 if gqa else 0)
+    args = _regular_batch(q_lens, kv_lens, stride, torch.float32)
+    assert_close(attention._EAGER_ATTENTION(*args), _float64_spec(args), torch.float32)
 
 
 def _fuzzed_batch(draw_lengths: list[tuple[int, int]], decode: bool, heads: tuple[int, int], head_dim: int,
@@ -834,10 +851,14 @@ def test_the_cpu_write_lands_the_specs_bytes(name):
     _assert_same_bits(got[3], want[3])
 
 
+@pytest.mark.parametrize("listed", [True, False], ids=["listed", "tensor-ops"])
 @pytest.mark.parametrize("slots, message", [([3, 20], "past the cache's 16 slots"),
                                             ([3, 5, 3], "writes one slot twice")], ids=["past-the-cache", "twice"])
-def test_the_cpu_write_raises_as_the_spec_does(slots, message):
+def test_the_cpu_write_raises_as_the_spec_does(slots, message, listed, monkeypatch):
+    """Its checks read a few slots as one list, more by tensor ops: the spec's error either way."""
     write = importlib.import_module("hw_agnostic.ops.write_kv_cache")
+    if not listed:
+        monkeypatch.setattr(write, "LISTED_SLOTS", 0)
     provided = write._ReferenceWrite(write.write_kv_cache_reference)
     args = _write_case(len(slots), slots=slots)
     caches = [a.clone() for a in args[2:4]]

@@ -71,6 +71,14 @@ MIN_KERNEL_HEAD_DIM = 16  # tensor-core dot products need K >= 16
 MAX_KERNEL_HEAD_DIM = 256
 NO_WINDOW = 1 << 30  # the kernels' window when there is none: longer than any sequence
 MAX_REFERENCE_SCORES = 1 << 24  # logits per chunk in the reference: bounds its memory on long contexts
+#: Block tables of up to this many entries are read to the host as one list for their checks and
+#: layout (a decode step's few blocks: ~1 us, where the tensor ops and their reads took 4-9 us);
+#: larger ones by tensor ops, which read one number (a list of thousands costs more).
+LISTED_BLOCKS = 256
+#: fp32 decode attention of up to this many ``keys x query heads x head dim`` runs SDPA with the
+#: query heads as GQA heads of one row each, past it with them as rows of their KV head (see
+#: :func:`_grouped_decode`).
+MAX_GQA_DECODE_WORK = 1 << 18
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,8 +129,12 @@ def _check_blocks(op: str, blocks: Tensor, used: Optional[Tensor], num_blocks: i
     says, None: all) that is not a block of the cache."""
     if not blocks.numel():
         return
-    read = blocks if used is None else torch.where(used, blocks, 0)
-    low, high = (int(v) for v in torch.aminmax(read))  # one op, where naming the bad entry takes four
+    if used is None and blocks.numel() <= LISTED_BLOCKS:  # one host read, compared in Python
+        entries = [entry for row in blocks.tolist() for entry in row]
+        low, high = min(entries), max(entries)
+    else:
+        read = blocks if used is None else torch.where(used, blocks, 0)
+        low, high = (int(v) for v in torch.aminmax(read))  # one op, where naming the bad entry takes four
     if low < 0 or high >= num_blocks:
         bad = (blocks < 0) | (blocks >= num_blocks)
         row, column = (int(i) for i in (bad if used is None else bad & used).nonzero()[0])
@@ -227,7 +239,7 @@ class _ReferenceAttention:
             # sequence s owns row s, all have the same keys: the group below, with no row gathered or scattered
             kv_len = lengths[0]
             blocks = block_table[:, : -(-kv_len // block_size)]
-            out = self._attend(q[:, None], k_cache, v_cache, blocks, kv_len, scale, sliding_window)[:, 0].contiguous()
+            out = self._attend_decode(q, k_cache, v_cache, blocks, kv_len, scale, sliding_window).contiguous()
         else:
             out = self._attend_sequences(q, k_cache, v_cache, block_table, cu_seqlens_q, spans, scale, sliding_window,
                                          row_bytes)
@@ -333,11 +345,10 @@ class _ReferenceAttention:
                 sliding_window: Optional[int]) -> Tensor:
         """``[b, q_len, Hq, D]`` attention of right-aligned ``queries`` over ``blocks`` ``[b, n]``."""
         q_len = queries.shape[1]
-        first = 0
-        if q_len == 1 and sliding_window is not None:  # one query sees the window's last keys: no mask needed
-            first = max(0, kv_len - sliding_window)
-
-        mask, causal = None, False
+        if q_len == 1:
+            return _ReferenceAttention._attend_decode(queries[:, 0], k_cache, v_cache, blocks, kv_len, scale,
+                                                      sliding_window)[:, None]
+        first, mask, causal = 0, None, False
         if q_len > 1:
             if sliding_window is None and q_len == kv_len:
                 causal = True
@@ -349,22 +360,26 @@ class _ReferenceAttention:
                     mask &= index > positions - sliding_window
 
         regular = _regular_blocks(blocks)
-
-        def pages(cache: Tensor, slot: int) -> Tensor:  # [b, Hkv, keys, D]
-            tokens = _page_view(cache, blocks.shape, regular)
-            if tokens is None:  # whole blocks copied, into the thread's gather buffer where they fit it
-                tokens = _gathered(cache, blocks.reshape(-1), slot).view(*blocks.shape, *cache.shape[1:]).flatten(1, 2)
-            heads_first = tokens[:, first:kv_len].transpose(1, 2)
-            # A whole prompt's causal flash kernel runs faster on contiguous heads (512 tokens at
-            # Llama-3-8B's: 15.1 against 17.3 ms, the copy included); decode and masked chunks
-            # read the strided view faster (8 x 2048 decode: 17 against 44 ms with the copy).
-            return heads_first.contiguous() if causal else heads_first
-        if q_len == 1:
-            return _grouped_decode(queries[:, 0], pages(k_cache, 0), pages(v_cache, 1), scale)[:, None]
+        # A whole prompt's causal flash kernel runs faster on contiguous heads (512 tokens at
+        # Llama-3-8B's: 15.1 against 17.3 ms, the copy included); masked chunks read the strided
+        # view faster.
+        keys, values = (_pages(cache, blocks, regular, slot, first, kv_len, causal)
+                        for slot, cache in enumerate((k_cache, v_cache)))
         attended = torch.nn.functional.scaled_dot_product_attention(
-            queries.transpose(1, 2), pages(k_cache, 0), pages(v_cache, 1), attn_mask=mask, is_causal=causal,
-            scale=scale, enable_gqa=True)
+            queries.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
         return attended.transpose(1, 2)
+
+    @staticmethod
+    def _attend_decode(queries: Tensor, k_cache: Tensor, v_cache: Tensor, blocks: Tensor, kv_len: int, scale: float,
+                       sliding_window: Optional[int]) -> Tensor:
+        """``[b, Hq, D]``: one query per sequence (``queries`` ``[b, Hq, D]``) over its last ``kv_len``
+        keys in ``blocks`` ``[b, n]`` (the window's last keys: no mask needed). Decode reads the
+        strided page view faster than a contiguous copy (8 x 2048 decode: 17 against 44 ms with it)."""
+        first = 0 if sliding_window is None else max(0, kv_len - sliding_window)
+        regular = _regular_blocks(blocks)
+        keys, values = (_pages(cache, blocks, regular, slot, first, kv_len, False)
+                        for slot, cache in enumerate((k_cache, v_cache)))
+        return _grouped_decode(queries, keys, values, scale)
 
 
 #: the op's native form: what the reference provider runs when compiling is on or in native mode
@@ -383,6 +398,12 @@ def _grouped_decode(queries: Tensor, keys: Tensor, values: Tensor, scale: float,
     than as GQA heads of one query row each (2048 keys at Llama-3-8B's heads: 0.45 against 1.3 ms;
     about what it takes on contiguous K/V)."""
     batch, num_q_heads, head_dim = queries.shape
+    if mask is None and queries.dtype == torch.float32 and keys.shape[2] * num_q_heads * head_dim <= MAX_GQA_DECODE_WORK:
+        # small fp32 calls run faster as GQA heads (8 query heads of 32 over 16 keys: 7 against 12 us;
+        # Llama-3-8B's over 64 keys: 36 against 39); 16-bit ones never (bf16 at 64 keys: 4-13x slower)
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            queries.reshape(batch, num_q_heads, 1, head_dim), keys, values, scale=scale, enable_gqa=True)
+        return attended.reshape(batch, num_q_heads, head_dim)
     grouped = queries.reshape(batch, keys.shape[1], num_q_heads // keys.shape[1], head_dim)
     attended = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
     return attended.reshape(batch, num_q_heads, head_dim)
@@ -430,6 +451,13 @@ def _regular_blocks(blocks: Tensor) -> Optional[tuple[int, int]]:
     rows, columns = blocks.shape
     if not rows or not columns:
         return None
+    if rows * columns <= LISTED_BLOCKS:
+        table = blocks.tolist()
+        first = table[0][0]
+        stride = table[1][0] - first if rows > 1 else 0
+        regular = stride >= 0 and all(row == list(range(first + s * stride, first + s * stride + columns))
+                                      for s, row in enumerate(table))
+        return (first, stride) if regular else None
     first = int(blocks[0, 0])
     stride = int(blocks[1, 0]) - first if rows > 1 else 0
     if stride < 0:
@@ -442,20 +470,35 @@ def _regular_blocks(blocks: Tensor) -> Optional[tuple[int, int]]:
     return (first, stride) if torch.equal(blocks, expected.expand(rows, columns)) else None
 
 
-def _page_view(cache: Tensor, shape: torch.Size, regular: Optional[tuple[int, int]]) -> Optional[Tensor]:
-    """``[b, n * block_size, Hkv, D]``: the pages of a :func:`_regular_blocks` layout read in place
-    (no gathered copy: 4 MB a cache for one 2048-token bf16 sequence at Llama-3-8B's heads); None
-    where the blocks are not regular or a cache's blocks do not follow one another in memory."""
+def _pages(cache: Tensor, blocks: Tensor, regular: Optional[tuple[int, int]], slot: int, first: int, last: int,
+           contiguous: bool) -> Tensor:
+    """``[b, Hkv, last - first, D]``: keys ``first:last`` of the pages ``blocks`` ``[b, n]`` lists, read in
+    place where :func:`_page_view` can, else gathered (whole blocks copied, into the thread's gather
+    buffer ``slot`` where they fit it)."""
+    heads_first = _page_view(cache, blocks.shape, regular, first, last)
+    if heads_first is None:
+        tokens = _gathered(cache, blocks.reshape(-1), slot).view(*blocks.shape, *cache.shape[1:]).flatten(1, 2)
+        heads_first = tokens[:, first:last].transpose(1, 2)
+    return heads_first.contiguous() if contiguous else heads_first
+
+
+def _page_view(cache: Tensor, shape: torch.Size, regular: Optional[tuple[int, int]], first: int,
+               last: int) -> Optional[Tensor]:
+    """``[b, Hkv, last - first, D]``: keys ``first:last`` of the pages of a :func:`_regular_blocks`
+    layout read in place (no gathered copy: 4 MB a cache for one 2048-token bf16 sequence at
+    Llama-3-8B's heads), heads first, in one ``as_strided`` (what a view of the pages, a slice and a
+    transpose make, at a microsecond each); None where the blocks are not regular, a cache's blocks
+    do not follow one another in memory or the keys pass the blocks."""
     if regular is None:
         return None
     blocks, block_size, heads, dim = cache.shape
     step, token, head, element = cache.stride()
-    if step != block_size * token and blocks > 1:
-        return None
-    first, stride = regular
     rows, columns = shape
-    return cache.as_strided((rows, columns * block_size, heads, dim), (stride * step, token, head, element),
-                            cache.storage_offset() + first * step)
+    if step != block_size * token and blocks > 1 or not 0 <= first <= last <= columns * block_size:
+        return None
+    start, stride = regular
+    return cache.as_strided((rows, heads, last - first, dim), (stride * step, head, token, element),
+                            cache.storage_offset() + start * step + first * token)
 
 
 def _attend(probs: Tensor, values: Tensor, visible: Tensor) -> Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 
 import pytest
@@ -469,6 +470,18 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("message, call", BAD_INPUTS, ids=[m for m, _ in BAD_INPUTS])
 def test_bad_inputs_name_the_argument(message, call):
     with pytest.raises((TypeError, ValueError), match=re.escape(message)):
+        call()
+
+
+@pytest.mark.parametrize("listed", [True, False], ids=["listed", "tensor-ops"])
+@pytest.mark.parametrize("message, call", [case for case in BAD_INPUTS if "is not a block of the cache" in case[0]],
+                         ids=lambda value: value if isinstance(value, str) else "")
+def test_block_table_checks_name_the_bad_entry_either_way(message, call, listed, monkeypatch):
+    """A small block table is checked as one list read to the host, a larger one by tensor ops:
+    both name the first bad entry."""
+    if not listed:
+        monkeypatch.setattr(importlib.import_module("hw_agnostic.ops.paged_attention"), "LISTED_BLOCKS", 0)
+    with pytest.raises(ValueError, match=re.escape(message)):
         call()
 
 
