@@ -348,22 +348,21 @@ class _ReferenceAttention:
         if q_len == 1:
             return _ReferenceAttention._attend_decode(queries[:, 0], k_cache, v_cache, blocks, kv_len, scale,
                                                       sliding_window)[:, None]
-        first, mask, causal = 0, None, False
-        if q_len > 1:
-            if sliding_window is None and q_len == kv_len:
-                causal = True
-            else:
-                positions = torch.arange(kv_len - q_len, kv_len, device=queries.device)[:, None]
-                index = torch.arange(kv_len, device=queries.device)[None, :]
-                mask = index <= positions
-                if sliding_window is not None:
-                    mask &= index > positions - sliding_window
+        mask, causal = None, False
+        if sliding_window is None and q_len == kv_len:
+            causal = True
+        else:
+            positions = torch.arange(kv_len - q_len, kv_len, device=queries.device)[:, None]
+            index = torch.arange(kv_len, device=queries.device)[None, :]
+            mask = index <= positions
+            if sliding_window is not None:
+                mask &= index > positions - sliding_window
 
         regular = _regular_blocks(blocks)
         # A whole prompt's causal flash kernel runs faster on contiguous heads (512 tokens at
         # Llama-3-8B's: 15.1 against 17.3 ms, the copy included); masked chunks read the strided
         # view faster.
-        keys, values = (_pages(cache, blocks, regular, slot, first, kv_len, causal)
+        keys, values = (_pages(cache, blocks, regular, slot, 0, kv_len, causal)
                         for slot, cache in enumerate((k_cache, v_cache)))
         attended = torch.nn.functional.scaled_dot_product_attention(
             queries.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
