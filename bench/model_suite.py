@@ -5,6 +5,10 @@ The model has Llama-3-8B's widths (hidden 4096, intermediate 14336, 32 heads, 8 
 does not dominate. Prefill: 1 sequence of 512 tokens. Decode: one token for each of 8
 sequences holding 128 tokens of context (the cache is cropped back after every step).
 TFLOP/s count the linear layers' ``2 * params * tokens``; the ratio is to the same-run matmul rate.
+
+A third row, ``small decode b1 ctx32``, is one sequence's decode step of the small model
+``hw-agnostic demo`` builds (4 layers, hidden 256, 8 query and 4 KV heads of 32; 32 tokens of
+context), against HF eager: where the host work of every call, not the arithmetic, is the step.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from hw_agnostic.demo import TINY
 
 from .rewired import rewired
 from .timing import matmul_tflops, measure_all
@@ -35,16 +41,23 @@ def _linear_params(model: torch.nn.Module) -> int:
 
 PROVIDERS = ("hw_agnostic", "hf_eager", "hf_compile")
 STEPS = ("prefill 1x512", "decode b8 ctx128")
+SMALL_STEP, SMALL_PROVIDERS, SMALL_CONTEXT = "small decode b1 ctx32", ("hw_agnostic", "hf_eager"), 32
 
 
 def count(device: torch.device, quick: bool, only: Callable[[str], bool] = lambda label: True) -> int:
-    return len(PROVIDERS) * sum(only(step) for step in STEPS)
+    return len(PROVIDERS) * sum(only(step) for step in STEPS) + len(SMALL_PROVIDERS) * only(SMALL_STEP)
 
 
 def run(device: torch.device, *, quick: bool, log: Callable[[str], None],
         only: Callable[[str], bool] = lambda label: True) -> Iterator[dict[str, Any]]:
-    if not any(only(step) for step in STEPS):
-        return
+    if any(only(step) for step in STEPS):
+        yield from _llama3_widths(device, quick, log, only)
+    if only(SMALL_STEP):
+        yield from _small_decode(device, quick, log)
+
+
+def _llama3_widths(device: torch.device, quick: bool, log: Callable[[str], None],
+                   only: Callable[[str], bool]) -> Iterator[dict[str, Any]]:
     dtype = torch.bfloat16 if device.type != "cpu" else torch.float32  # CPU bf16 matmuls are slower than fp32
     torch.manual_seed(0)
     with torch.device(device):  # initialised where it runs: ~0.9B random parameters take minutes on the host
@@ -77,6 +90,29 @@ def run(device: torch.device, *, quick: bool, log: Callable[[str], None],
                 decodes[provider] = functools.partial(_decode_step, model, step_ids, cache)
             for provider, timing in measure_all(decodes, device, min_time_s=min_time_s).items():
                 yield _row(STEPS[1], 8, provider, timing, params, dtype, ceiling)
+
+
+def _small_decode(device: torch.device, quick: bool, log: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+    dtype = torch.bfloat16 if device.type != "cpu" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY), dtype=dtype).eval()
+    ours = copy.deepcopy(hf)
+    rewired(ours, log, "model suite (small)")
+    generator = torch.Generator().manual_seed(2)
+    context_ids = torch.randint(0, TINY["vocab_size"], (1, SMALL_CONTEXT), generator=generator).to(device)
+    step_ids = torch.randint(0, TINY["vocab_size"], (1, 1), generator=generator).to(device)
+    log(f"model {SMALL_STEP}: {', '.join(SMALL_PROVIDERS)}")
+    with torch.inference_mode():
+        decodes = {}
+        for provider, model in zip(SMALL_PROVIDERS, (ours, hf)):
+            cache = DynamicCache(config=hf.config)
+            model(context_ids, past_key_values=cache, use_cache=True)
+            decodes[provider] = functools.partial(_decode_step, model, step_ids, cache)
+        timings = measure_all(decodes, device, min_time_s=1.0 if not quick else 0.2)
+    for provider, timing in timings.items():
+        yield _row(SMALL_STEP, 1, provider, timing, _linear_params(hf), dtype, matmul_tflops(device, dtype=dtype),
+                   width=TINY["hidden_size"])
 
 
 def _prefill(model: Any, ids: torch.Tensor) -> torch.Tensor:

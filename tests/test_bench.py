@@ -298,3 +298,16 @@ def test_a_bench_model_rewire_left_partly_says_so():
     report = rewired(tiny("diffllama"), logged.append, "some suite")  # its attention is declined
     assert report.left and len(logged) == 1
     assert logged[0].startswith("some suite: WARNING: rewire left") and "DiffLlamaAttention" in logged[0]
+
+
+def test_model_suite_small_decode_row_against_hf_eager():
+    """The model suite's small-model decode step: two rows (ours, HF eager), counted as it yields them."""
+    from bench import model_suite
+
+    cpu = torch.device("cpu")
+    small = lambda label: label == model_suite.SMALL_STEP  # noqa: E731
+    assert model_suite.count(cpu, quick=True) == 8 and model_suite.count(cpu, quick=True, only=small) == 2
+    said = []
+    rows = list(model_suite.run(cpu, quick=True, log=said.append, only=small))
+    assert [r["provider"] for r in rows] == ["hw_agnostic", "hf_eager"]
+    assert all(r["op"] == model_suite.SMALL_STEP and r["tokens"] == 1 and r["time_us"] > 0 for r in rows)
