@@ -20,8 +20,9 @@ For a module whose class forward *is* that code (its syntax tree equal to :data:
 statement by statement, once the cache parameter's name is unified, annotations dropped and the
 attention call's ``dropout``, ``sliding_window`` and ``softcap`` keywords set aside),
 :func:`direct_forward` makes the same calls itself: the merged q/k/v projection's forward once
-(what its parts call), the forward's own ``apply_rotary_pos_emb`` (the rotary router where that
-change stands), the step's write into the paged view and the attention function's work
+(what its parts call; where that forward is :class:`QKVProjection`'s own and every part is whole
+heads, its linear layer, the heads split off with one view, one transpose and one split), the
+forward's own ``apply_rotary_pos_emb`` (the rotary router where that change stands), the step's write into the paged view and the attention function's work
 (:func:`~hw_agnostic.backend.attention.store_step` and
 :func:`~hw_agnostic.backend.attention.attend_paged`, which the general path runs too: padding read
 from the mask, the mask checked against the kernel's), with the window and softcap the forward's
