@@ -50,15 +50,19 @@ def count(device: torch.device, quick: bool, only: Callable[[str], bool] = lambd
 
 def run(device: torch.device, *, quick: bool, log: Callable[[str], None],
         only: Callable[[str], bool] = lambda label: True) -> Iterator[dict[str, Any]]:
-    if any(only(step) for step in STEPS):
-        yield from _llama3_widths(device, quick, log, only)
-    if only(SMALL_STEP):
-        yield from _small_decode(device, quick, log)
-
-
-def _llama3_widths(device: torch.device, quick: bool, log: Callable[[str], None],
-                   only: Callable[[str], bool]) -> Iterator[dict[str, Any]]:
+    if not (any(only(step) for step in STEPS) or only(SMALL_STEP)):
+        return
     dtype = torch.bfloat16 if device.type != "cpu" else torch.float32  # CPU bf16 matmuls are slower than fp32
+    ceiling = matmul_tflops(device, dtype=dtype)  # in the dtype the models run in
+    min_time_s = 1.0 if not quick else 0.2
+    if any(only(step) for step in STEPS):
+        yield from _llama3_widths(device, dtype, ceiling, min_time_s, log, only)
+    if only(SMALL_STEP):
+        yield from _small_decode(device, dtype, ceiling, min_time_s, log)
+
+
+def _llama3_widths(device: torch.device, dtype: torch.dtype, ceiling: float, min_time_s: float,
+                   log: Callable[[str], None], only: Callable[[str], bool]) -> Iterator[dict[str, Any]]:
     torch.manual_seed(0)
     with torch.device(device):  # initialised where it runs: ~0.9B random parameters take minutes on the host
         hf = AutoModelForCausalLM.from_config(_config(device), dtype=dtype).eval()
@@ -67,14 +71,12 @@ def _llama3_widths(device: torch.device, quick: bool, log: Callable[[str], None]
     log(f"model suite: rewired {len(report.replaced)} modules, fused {len(report.fused)} layers")
     models = {"hw_agnostic": ours, "hf_eager": hf, "hf_compile": torch.compile(hf, dynamic=None)}
     params = _linear_params(hf)
-    ceiling = matmul_tflops(device, dtype=dtype)  # in the dtype the model runs in
     vocab = hf.config.vocab_size
     generator = torch.Generator().manual_seed(1)
     prefill_ids = torch.randint(0, vocab, (1, 512), generator=generator).to(device)
     context_ids = torch.randint(0, vocab, (8, 128), generator=generator).to(device)
     step_ids = torch.randint(0, vocab, (8, 1), generator=generator).to(device)
 
-    min_time_s = 1.0 if not quick else 0.2
     with torch.inference_mode():
         if only(STEPS[0]):
             log(f"model {STEPS[0]}: {', '.join(models)}")
@@ -83,17 +85,13 @@ def _llama3_widths(device: torch.device, quick: bool, log: Callable[[str], None]
                 yield _row(STEPS[0], 512, provider, timing, params, dtype, ceiling)
         if only(STEPS[1]):
             log(f"model {STEPS[1]}: {', '.join(models)}")
-            decodes = {}
-            for provider, model in models.items():
-                cache = DynamicCache(config=hf.config)
-                model(context_ids, past_key_values=cache, use_cache=True)
-                decodes[provider] = functools.partial(_decode_step, model, step_ids, cache)
+            decodes = _decode_steps(models, context_ids, step_ids)
             for provider, timing in measure_all(decodes, device, min_time_s=min_time_s).items():
                 yield _row(STEPS[1], 8, provider, timing, params, dtype, ceiling)
 
 
-def _small_decode(device: torch.device, quick: bool, log: Callable[[str], None]) -> Iterator[dict[str, Any]]:
-    dtype = torch.bfloat16 if device.type != "cpu" else torch.float32
+def _small_decode(device: torch.device, dtype: torch.dtype, ceiling: float, min_time_s: float,
+                  log: Callable[[str], None]) -> Iterator[dict[str, Any]]:
     torch.manual_seed(0)
     with torch.device(device):
         hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY), dtype=dtype).eval()
@@ -104,15 +102,21 @@ def _small_decode(device: torch.device, quick: bool, log: Callable[[str], None])
     step_ids = torch.randint(0, TINY["vocab_size"], (1, 1), generator=generator).to(device)
     log(f"model {SMALL_STEP}: {', '.join(SMALL_PROVIDERS)}")
     with torch.inference_mode():
-        decodes = {}
-        for provider, model in zip(SMALL_PROVIDERS, (ours, hf)):
-            cache = DynamicCache(config=hf.config)
-            model(context_ids, past_key_values=cache, use_cache=True)
-            decodes[provider] = functools.partial(_decode_step, model, step_ids, cache)
-        timings = measure_all(decodes, device, min_time_s=1.0 if not quick else 0.2)
+        decodes = _decode_steps(dict(zip(SMALL_PROVIDERS, (ours, hf))), context_ids, step_ids)
+        timings = measure_all(decodes, device, min_time_s=min_time_s)
     for provider, timing in timings.items():
-        yield _row(SMALL_STEP, 1, provider, timing, _linear_params(hf), dtype, matmul_tflops(device, dtype=dtype),
-                   width=TINY["hidden_size"])
+        yield _row(SMALL_STEP, 1, provider, timing, _linear_params(hf), dtype, ceiling, width=TINY["hidden_size"])
+
+
+def _decode_steps(models: dict[str, Any], context_ids: torch.Tensor,
+                  step_ids: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+    """Per provider, one decode step of ``step_ids`` on its own cache, prefilled with ``context_ids``."""
+    decodes = {}
+    for provider, model in models.items():
+        cache = DynamicCache(config=model.config)
+        model(context_ids, past_key_values=cache, use_cache=True)
+        decodes[provider] = functools.partial(_decode_step, model, step_ids, cache)
+    return decodes
 
 
 def _prefill(model: Any, ids: torch.Tensor) -> torch.Tensor:

@@ -358,12 +358,10 @@ class _ReferenceAttention:
             if sliding_window is not None:
                 mask &= index > positions - sliding_window
 
-        regular = _regular_blocks(blocks)
         # A whole prompt's causal flash kernel runs faster on contiguous heads (512 tokens at
         # Llama-3-8B's: 15.1 against 17.3 ms, the copy included); masked chunks read the strided
         # view faster.
-        keys, values = (_pages(cache, blocks, regular, slot, 0, kv_len, causal)
-                        for slot, cache in enumerate((k_cache, v_cache)))
+        keys, values = _kv_pages(k_cache, v_cache, blocks, 0, kv_len, causal)
         attended = torch.nn.functional.scaled_dot_product_attention(
             queries.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
         return attended.transpose(1, 2)
@@ -375,10 +373,7 @@ class _ReferenceAttention:
         keys in ``blocks`` ``[b, n]`` (the window's last keys: no mask needed). Decode reads the
         strided page view faster than a contiguous copy (8 x 2048 decode: 17 against 44 ms with it)."""
         first = 0 if sliding_window is None else max(0, kv_len - sliding_window)
-        regular = _regular_blocks(blocks)
-        keys, values = (_pages(cache, blocks, regular, slot, first, kv_len, False)
-                        for slot, cache in enumerate((k_cache, v_cache)))
-        return _grouped_decode(queries, keys, values, scale)
+        return _grouped_decode(queries, *_kv_pages(k_cache, v_cache, blocks, first, kv_len, False), scale)
 
 
 #: the op's native form: what the reference provider runs when compiling is on or in native mode
@@ -469,16 +464,21 @@ def _regular_blocks(blocks: Tensor) -> Optional[tuple[int, int]]:
     return (first, stride) if torch.equal(blocks, expected.expand(rows, columns)) else None
 
 
-def _pages(cache: Tensor, blocks: Tensor, regular: Optional[tuple[int, int]], slot: int, first: int, last: int,
-           contiguous: bool) -> Tensor:
-    """``[b, Hkv, last - first, D]``: keys ``first:last`` of the pages ``blocks`` ``[b, n]`` lists, read in
-    place where :func:`_page_view` can, else gathered (whole blocks copied, into the thread's gather
-    buffer ``slot`` where they fit it)."""
-    heads_first = _page_view(cache, blocks.shape, regular, first, last)
-    if heads_first is None:
-        tokens = _gathered(cache, blocks.reshape(-1), slot).view(*blocks.shape, *cache.shape[1:]).flatten(1, 2)
-        heads_first = tokens[:, first:last].transpose(1, 2)
-    return heads_first.contiguous() if contiguous else heads_first
+def _kv_pages(k_cache: Tensor, v_cache: Tensor, blocks: Tensor, first: int, last: int,
+              contiguous: bool) -> tuple[Tensor, Tensor]:
+    """Keys and values ``[b, Hkv, last - first, D]``: positions ``first:last`` of the pages ``blocks``
+    ``[b, n]`` lists, read in place where :func:`_page_view` can, else gathered (whole blocks copied,
+    into the thread's gather buffers where they fit them)."""
+    regular = _regular_blocks(blocks)
+
+    def pages(cache: Tensor, slot: int) -> Tensor:
+        heads_first = _page_view(cache, blocks.shape, regular, first, last)
+        if heads_first is None:
+            tokens = _gathered(cache, blocks.reshape(-1), slot).view(*blocks.shape, *cache.shape[1:]).flatten(1, 2)
+            heads_first = tokens[:, first:last].transpose(1, 2)
+        return heads_first.contiguous() if contiguous else heads_first
+
+    return pages(k_cache, 0), pages(v_cache, 1)
 
 
 def _page_view(cache: Tensor, shape: torch.Size, regular: Optional[tuple[int, int]], first: int,
