@@ -54,6 +54,7 @@ import types
 from collections.abc import Callable
 from typing import Any, Optional
 
+import torch
 from torch import Tensor, nn
 
 from ..layers.attention import _CACHE_NAMES, _STATE
@@ -253,8 +254,11 @@ def _names_paged_attention(config: Any, namespace: dict[str, Any]) -> bool:
 
 def _attn_implementation(config: Any) -> Any:
     """``config._attn_implementation``, read from the instance's attributes where transformers keeps it:
-    the property goes through two ``__getattribute__`` overrides (4 µs of a decode layer)."""
-    implementation = config.__dict__.get("_attn_implementation_internal", _UNSET)
+    the property, and reading ``config.__dict__`` itself, go through two ``__getattribute__`` overrides
+    (1 µs alone, about 4 of a decode layer); ``object.__getattribute__`` reads the same dict without them
+    (Dynamo, which cannot trace that call, reads ``config.__dict__``)."""
+    attributes = config.__dict__ if torch.compiler.is_compiling() else object.__getattribute__(config, "__dict__")
+    implementation = attributes.get("_attn_implementation_internal", _UNSET)
     return config._attn_implementation if implementation is _UNSET else implementation
 
 
@@ -266,11 +270,17 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     (see the module docstring)."""
     state = module.__dict__[_STATE]
     hidden, rotary = arguments.get("hidden_states"), arguments.get("position_embeddings")
-    if (state.unservable is not None or any(name in arguments for name in _PASSED_ON)
-            or not isinstance(hidden, Tensor) or not isinstance(rotary, (tuple, list)) or len(rotary) != 2
-            or module.needs_fallback(hidden) or not no_global_hooks()):
+    if (state.unservable is not None or not isinstance(hidden, Tensor) or not isinstance(rotary, (tuple, list))
+            or len(rotary) != 2 or module.needs_fallback(hidden) or not no_global_hooks()):
         return NotImplemented
-    cache = next((arguments[name] for name in state.cache_names if arguments.get(name) is not None), None)
+    for name in _PASSED_ON:  # loops, not generators (about 1 µs less), which Dynamo traces too
+        if name in arguments:
+            return NotImplemented
+    cache = None
+    for name in state.cache_names:
+        cache = arguments.get(name)
+        if cache is not None:
+            break
     Cache, EncoderDecoderCache, PagedAttentionCache = _cache_classes()
     if not isinstance(cache, Cache) or isinstance(cache, (EncoderDecoderCache, PagedAttentionCache)):
         return NotImplemented
