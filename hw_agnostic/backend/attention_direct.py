@@ -58,7 +58,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers.attention import _CACHE_NAMES, _STATE
-from ..layers.module_call import call, no_global_hooks
+from ..layers.module_call import call, no_global_hooks, reads_own_dicts
 from ..layers.qkv import QKVPart, QKVProjection
 from .attention import (
     ATTENTION_NAME, _cache_classes, attend_paged, paged_attention_forward, paged_layer_of, store_step,
@@ -263,6 +263,7 @@ def _attn_implementation(config: Any) -> Any:
 
 
 _UNSET = object()
+_PROJ, _O_PROJ = ("proj",), ("o_proj",)
 
 
 def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[str, Any]) -> Any:
@@ -302,7 +303,8 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
         q, k, v = qkv.forward(hidden)  # what its q/k/v parts run
         query, key, value = [part.view(hidden_shape).transpose(1, 2) for part in (q, k, v)]
     else:  # the same three views, made from the merged output at once (3 ATen calls instead of 7)
-        merged = call(qkv.proj, hidden)
+        proj = qkv._modules.get("proj") if reads_own_dicts(qkv, _PROJ) else None
+        merged = call(qkv.proj if proj is None else proj, hidden)
         query, key, value = merged.view(hidden_shape).transpose(1, 2).split_with_sizes(heads, dim=1)
     cos, sin = rotary
     query, key = namespace["apply_rotary_pos_emb"](query, key, cos, sin)
@@ -313,7 +315,8 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     for name, value_of in recognised.forwarded:
         kwargs[name] = value_of(module)
     out, weights = attend_paged(module, state, batch, query, key, value, mask, module.scaling, 0.0, kwargs)
-    return call(module.o_proj, out.reshape(*input_shape, -1).contiguous()), weights
+    o_proj = module._modules.get("o_proj") if reads_own_dicts(module, _O_PROJ) else None
+    return call(module.o_proj if o_proj is None else o_proj, out.reshape(*input_shape, -1).contiguous()), weights
 
 
 def direct_path_for(cls: type) -> Optional[Callable[[nn.Module, dict[str, Any]], Any]]:

@@ -10,6 +10,9 @@ from torch import Tensor, nn
 from ..ops import fused_add_layer_norm, layer_norm
 from ..ops.layer_norm import NUMERICS, fused_add_layer_norm_reference, layer_norm_reference
 from .base import CustomOp, EpsAliases
+from .module_call import reads_own_dicts
+
+_WEIGHT_AND_BIAS = ("weight", "bias")
 
 
 def own_parameter(name: str, layer: str, shape: tuple[int, ...], given: Optional[nn.Parameter], wanted: bool,
@@ -65,14 +68,19 @@ class LayerNorm(EpsAliases, CustomOp):
         self.bias = own_parameter("bias", "LayerNorm", shape, bias, has_bias, torch.zeros, dtype, device)
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
+        params = self._parameters
+        if "weight" in params and "bias" in params and reads_own_dicts(self, _WEIGHT_AND_BIAS):
+            weight, bias = params["weight"], params["bias"]
+        else:
+            weight, bias = self.weight, self.bias
         if residual is None:
-            return layer_norm(x, self.weight, self.bias, self.eps, numerics=self.numerics)
+            return layer_norm(x, weight, bias, self.eps, numerics=self.numerics)
         # the fused kernel takes [hidden] parameters only, and one dtype (under autocast a 16-bit
         # output is added to an fp32 stream: the sum promotes, as in HF)
         if self.num_heads is not None or residual.dtype != x.dtype:
             summed = residual + x
-            return layer_norm(summed, self.weight, self.bias, self.eps, numerics=self.numerics), summed
-        return fused_add_layer_norm(x, residual, self.weight, self.bias, self.eps, numerics=self.numerics)
+            return layer_norm(summed, weight, bias, self.eps, numerics=self.numerics), summed
+        return fused_add_layer_norm(x, residual, weight, bias, self.eps, numerics=self.numerics)
 
     def forward_native(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
         if residual is None:

@@ -7,6 +7,9 @@ from torch import Tensor, nn
 
 from ..ops.linear import linear
 from .base import CustomOp
+from .module_call import reads_own_dicts
+
+_WEIGHT_AND_BIAS = ("weight", "bias")
 
 
 @CustomOp.register("linear")
@@ -18,6 +21,10 @@ class Linear(CustomOp, nn.Linear):
     """
 
     def forward(self, x: Tensor) -> Tensor:
+        if reads_own_dicts(self, _WEIGHT_AND_BIAS):
+            params = self._parameters
+            if "weight" in params and "bias" in params:
+                return linear(x, params["weight"], params["bias"])
         return linear(x, self.weight, self.bias)
 
     def forward_native(self, x: Tensor) -> Tensor:

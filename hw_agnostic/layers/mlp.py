@@ -11,7 +11,9 @@ from torch import Tensor
 from .activation import act_and_mul
 from .base import PluggableLayer
 from .linear import Linear
-from .module_call import call
+from .module_call import call, reads_own_dicts
+
+_CHILDREN = ("gate_up_proj", "act_fn", "down_proj")
 
 
 @PluggableLayer.register("gated_mlp")
@@ -55,13 +57,19 @@ class GatedMLP(PluggableLayer):
                                    dtype=dtype, device=device)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = call(self.gate_up_proj, x)
+        children = self._modules
+        if "gate_up_proj" in children and "act_fn" in children and "down_proj" in children and reads_own_dicts(
+                self, _CHILDREN):
+            gate_up_proj, act_fn, down_proj = children["gate_up_proj"], children["act_fn"], children["down_proj"]
+        else:
+            gate_up_proj, act_fn, down_proj = self.gate_up_proj, self.act_fn, self.down_proj
+        gate_up = call(gate_up_proj, x)
         if self.gate_multiplier is not None or self.up_multiplier is not None:
             gate, up = gate_up.chunk(2, dim=-1)
             gate = gate if self.gate_multiplier is None else gate * self.gate_multiplier
             up = up if self.up_multiplier is None else up * self.up_multiplier
             gate_up = torch.cat([gate, up], dim=-1)
-        out = call(self.down_proj, call(self.act_fn, gate_up))
+        out = call(down_proj, call(act_fn, gate_up))
         if self.down_multiplier is not None:
             out = out * self.down_multiplier
         if self.dropout and self.training:

@@ -1,11 +1,16 @@
-"""Calling a child module from a layer's forward, minus ``nn.Module.__call__`` where it adds nothing.
+"""Calling a child module from a layer's forward, minus ``nn.Module.__call__`` where it adds nothing;
+reading a layer's own parameters and children, minus ``nn.Module.__getattr__``.
 
 A decode step calls about ten child modules a layer; ``module(x)`` goes through two frames of
-``nn.Module`` (``_wrapped_call_impl``, ``_call_impl``) before ``forward``, about 1 µs a call.
+``nn.Module`` (``_wrapped_call_impl``, ``_call_impl``) before ``forward``, about 1 µs a call. And it
+reads about fifteen parameters and children as attributes (``self.weight``, ``self.down_proj``),
+each through ``nn.Module.__getattr__``: 0.6 µs a read (torch 2.13), where the dict it looks in
+answers in 0.05.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -36,3 +41,19 @@ def call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
             or not no_global_hooks() or torch._C._get_tracing_state() or is_fx_symbolic_tracing()):
         return module(*args, **kwargs)
     return module.forward(*args, **kwargs)
+
+
+def reads_own_dicts(module: nn.Module, names: tuple[str, ...]) -> bool:
+    """Whether ``module``'s forward may read its parameters or children ``names`` from
+    ``module._parameters`` / ``module._modules`` rather than as attributes (see the module
+    docstring): where its class defines none of those names itself (a parametrization's generated
+    class, or a plugin's, may define one as a property, which the attribute read would reach
+    first), outside a Dynamo trace (which reads attributes its own way, at no cost inside the
+    graph). The caller still reads the attribute where a name is missing from the dict (deleted),
+    so the error is the attribute's."""
+    return not torch.compiler.is_compiling() and _defines_none(type(module), names)
+
+
+@functools.lru_cache(maxsize=256)  # bounded: a parametrization makes a class per module
+def _defines_none(cls: type, names: tuple[str, ...]) -> bool:
+    return not any(hasattr(cls, name) for name in names)

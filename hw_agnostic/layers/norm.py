@@ -10,6 +10,9 @@ from torch import Tensor, nn
 from ..ops import fused_add_rms_norm, rms_norm
 from ..ops.rms_norm import NUMERICS, fused_add_rms_norm_reference, rms_norm_reference
 from .base import CustomOp, EpsAliases
+from .module_call import reads_own_dicts
+
+_WEIGHT = ("weight",)
 
 
 @CustomOp.register("rms_norm")
@@ -52,12 +55,14 @@ class RMSNorm(EpsAliases, CustomOp):
             self.register_parameter("weight", None)
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
+        params = self._parameters
+        weight = params["weight"] if "weight" in params and reads_own_dicts(self, _WEIGHT) else self.weight
         if residual is None:
-            return rms_norm(x, self.weight, self.eps, numerics=self.numerics)
+            return rms_norm(x, weight, self.eps, numerics=self.numerics)
         if residual.dtype != x.dtype:  # autocast: a 16-bit output added to an fp32 stream promotes, as in HF
             summed = residual + x
-            return rms_norm(summed, self.weight, self.eps, numerics=self.numerics), summed
-        return fused_add_rms_norm(x, residual, self.weight, self.eps, numerics=self.numerics)
+            return rms_norm(summed, weight, self.eps, numerics=self.numerics), summed
+        return fused_add_rms_norm(x, residual, weight, self.eps, numerics=self.numerics)
 
     def forward_native(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
         if residual is None:

@@ -277,3 +277,71 @@ def test_calling_a_child_skips_module_call_only_where_it_would_only_call_forward
     # traced: the outer module's call and its child's went through it; the call after the trace did not
     assert through_call == ([] if kind is None else [1, 1] if kind == "jit trace" else [1])
     assert seen == ([] if kind is None else [kind])
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 2 * weight
+
+
+@pytest.mark.parametrize("layer", ["linear", "rms_norm", "layer_norm"])
+def test_layers_read_their_weight_as_the_attribute_gives_it(layer):
+    """The layers read their parameters from ``_parameters`` (past ``nn.Module.__getattr__``) only
+    where that is what the attribute gives: a parametrized weight (a property on a generated
+    class) and a subclass's property are what their forwards use."""
+    import torch.nn.utils.parametrize as parametrize
+
+    from hw_agnostic.layers import LayerNorm, Linear
+
+    torch.manual_seed(0)
+    make = {"linear": lambda: Linear(8, 4, bias=True), "rms_norm": lambda: RMSNorm(8, eps=1e-6),
+            "layer_norm": lambda: LayerNorm(8, eps=1e-5)}[layer]
+    x = torch.randn(3, 8)
+    module = make()
+    with torch.no_grad():
+        module.weight.uniform_(0.5, 1.5)
+        plain = module(x)
+        parametrize.register_parametrization(module, "weight", _Doubled())
+        doubled = module(x)
+        reference = make()
+        reference.load_state_dict({"weight": 2 * module.parametrizations.weight.original,
+                                   **({"bias": module.bias} if layer != "rms_norm" else {})})
+        torch.testing.assert_close(doubled, reference(x), rtol=0, atol=0)
+        assert not torch.equal(doubled, plain)
+
+        class Halved(type(reference)):  # a subclass whose weight is a property over the parameter
+            @property
+            def weight(self) -> torch.Tensor:
+                return self._parameters["weight"] / 2
+
+        halved = make()
+        halved.load_state_dict(reference.state_dict())
+        halved.__class__ = Halved
+        want = make()
+        want.load_state_dict({**reference.state_dict(), "weight": reference.weight / 2})
+        torch.testing.assert_close(halved(x), want(x), rtol=0, atol=0)
+
+
+def test_gated_mlp_reads_a_replaced_child():
+    """A child put in place of the MLP's down projection (``_modules``, as an assignment puts it) is
+    the one its forward calls, and so is a subclass's property."""
+    torch.manual_seed(0)
+    mlp = GatedMLP(8, 16, "silu")
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        replacement = torch.nn.Linear(16, 8, bias=False)
+        mlp.down_proj = replacement
+        torch.testing.assert_close(mlp(x), replacement(mlp.act_fn(mlp.gate_up_proj(x))), rtol=0, atol=0)
+
+        class Zeroed(GatedMLP):
+            @property
+            def down_proj(self) -> torch.nn.Module:
+                return _ZeroOut()
+
+        mlp.__class__ = Zeroed
+        assert not mlp(x).any()
+
+
+class _ZeroOut(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*x.shape[:-1], 8)
