@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import LayerNorm, RMSNorm
-from ..layers.module_call import call
+from ..layers.module_call import call_in, plain_calls
 from .detect import DecoderLayout
 
 log = logging.getLogger(__name__)
@@ -46,10 +46,11 @@ NEXT_NORM = "_hw_agnostic_next_norm"
 HANDED = "_hw_agnostic_handed"
 
 
-def add_and_norm(norm: nn.Module, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-    """``(norm(residual + x), residual + x)``, in one pass when ``norm`` is ours."""
+def add_and_norm(norm: nn.Module, x: Tensor, residual: Tensor, plain: bool) -> tuple[Tensor, Tensor]:
+    """``(norm(residual + x), residual + x)``, in one pass when ``norm`` is ours (``plain``: as
+    :func:`~hw_agnostic.layers.module_call.plain_calls` found for the layer's forward)."""
     if isinstance(norm, (RMSNorm, LayerNorm)):
-        return call(norm, x, residual)
+        return call_in(plain, norm, x, residual)
     summed = residual + x
     return norm(summed), summed
 
@@ -103,13 +104,15 @@ def _fused_forward(fused: FusedLayout, self: nn.Module, *args: Any, **kwargs: An
     passed = dict(fused.defaults)
     passed.update(zip(fused.attention_params, rest))
     passed.update(kwargs)
-    normed = call(role["input_norm"], hidden)
-    h = call(role["attention"], hidden_states=normed, **passed)[0]
+    plain = plain_calls()
+    normed = call_in(plain, role["input_norm"], hidden)
+    h = call_in(plain, role["attention"], hidden_states=normed, **passed)[0]
     if fused.sandwich:
-        h, residual = add_and_norm(role["pre_mlp_norm"], call(role["post_attention_norm"], h), hidden)
-        return hand_off(self, call(role["post_mlp_norm"], call(role["mlp"], h)), residual)
-    h, residual = add_and_norm(role["post_attention_norm"], h, hidden)
-    return hand_off(self, call(role["mlp"], h), residual)
+        h, residual = add_and_norm(role["pre_mlp_norm"], call_in(plain, role["post_attention_norm"], h), hidden,
+                                   plain)
+        return hand_off(self, call_in(plain, role["post_mlp_norm"], call_in(plain, role["mlp"], h)), residual)
+    h, residual = add_and_norm(role["post_attention_norm"], h, hidden, plain)
+    return hand_off(self, call_in(plain, role["mlp"], h), residual)
 
 
 def remove_fused_forward(layer: nn.Module) -> None:

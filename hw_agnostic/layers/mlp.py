@@ -11,7 +11,7 @@ from torch import Tensor
 from .activation import act_and_mul
 from .base import PluggableLayer
 from .linear import Linear
-from .module_call import call, reads_own_dicts
+from .module_call import call_in, plain_calls, reads_own_dicts
 
 _CHILDREN = ("gate_up_proj", "act_fn", "down_proj")
 
@@ -63,13 +63,14 @@ class GatedMLP(PluggableLayer):
             gate_up_proj, act_fn, down_proj = children["gate_up_proj"], children["act_fn"], children["down_proj"]
         else:
             gate_up_proj, act_fn, down_proj = self.gate_up_proj, self.act_fn, self.down_proj
-        gate_up = call(gate_up_proj, x)
+        plain = plain_calls()
+        gate_up = call_in(plain, gate_up_proj, x)
         if self.gate_multiplier is not None or self.up_multiplier is not None:
             gate, up = gate_up.chunk(2, dim=-1)
             gate = gate if self.gate_multiplier is None else gate * self.gate_multiplier
             up = up if self.up_multiplier is None else up * self.up_multiplier
             gate_up = torch.cat([gate, up], dim=-1)
-        out = call(down_proj, call(act_fn, gate_up))
+        out = call_in(plain, down_proj, call_in(plain, act_fn, gate_up))
         if self.down_multiplier is not None:
             out = out * self.down_multiplier
         if self.dropout and self.training:

@@ -33,12 +33,27 @@ def call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     library's layers call their children through it: about 1 µs a call, 8-10 of a decode layer's
     222-225 µs (2 and 6 layers, interleaved in one process). Traced by Dynamo it is the plain call:
     each check here would be a guard the compiled graph evaluates on every call (Dynamo leaves a
-    module call's hooks unguarded), and inside a graph the call costs nothing."""
-    if torch.compiler.is_compiling():
-        return module(*args, **kwargs)
-    if (module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks or module._backward_hooks
-            or module._compiled_call_impl is not None or type(module).__call__ is not nn.Module.__call__
-            or not no_global_hooks() or torch._C._get_tracing_state() or is_fx_symbolic_tracing()):
+    module call's hooks unguarded), and inside a graph the call costs nothing. A forward that calls
+    several children checks the conditions outside the modules once (:func:`plain_calls`) and
+    calls each through :func:`call_in`."""
+    return call_in(plain_calls(), module, *args, **kwargs)
+
+
+def plain_calls() -> bool:
+    """Whether nothing outside the modules stands between a forward and its children's forwards:
+    not compiling, no global module hooks, no ``torch.jit`` or ``torch.fx`` tracing. Checked once
+    per forward for all its children (about 0.2 µs a check alone, 5-10 µs of a decode layer's host
+    time in place when each of its nine child calls made it)."""
+    return not (torch.compiler.is_compiling() or not no_global_hooks() or torch._C._get_tracing_state()
+                or is_fx_symbolic_tracing())
+
+
+def call_in(plain: bool, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """:func:`call` inside a forward that found ``plain = plain_calls()``: the module's own
+    conditions (its hooks, a compiled call, its class's ``__call__``) are checked here."""
+    if (not plain or module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
+            or module._backward_hooks or module._compiled_call_impl is not None
+            or type(module).__call__ is not nn.Module.__call__):
         return module(*args, **kwargs)
     return module.forward(*args, **kwargs)
 

@@ -27,7 +27,7 @@ from ..ops.fused_experts import ACTIVATIONS, fused_experts, fused_experts_refere
 from ..ops.moe_route import moe_route, moe_route_reference
 from .base import CustomOp, PluggableLayer
 from .mlp import GatedMLP
-from .module_call import call
+from .module_call import call_in, plain_calls
 
 #: How router logits are computed: ``F.linear`` in the model dtype, on fp32 copies of the inputs
 #: (DeepSeek-V3), or in the model dtype and then cast to fp32 (Granite-MoE).
@@ -247,11 +247,12 @@ class MoE(PluggableLayer):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        _, weights, ids = call(self.router, rows)
-        out = call(self.experts, rows, ids, weights)
+        plain = plain_calls()
+        _, weights, ids = call_in(plain, self.router, rows)
+        out = call_in(plain, self.experts, rows, ids, weights)
         if self.shared_expert is not None:
-            shared = call(self.shared_expert, rows)
+            shared = call_in(plain, self.shared_expert, rows)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(call(self.shared_expert_gate, rows)) * shared
+                shared = torch.sigmoid(call_in(plain, self.shared_expert_gate, rows)) * shared
             out = out + shared
         return out.view(x.shape)
