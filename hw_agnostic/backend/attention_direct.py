@@ -58,7 +58,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers.attention import _CACHE_NAMES, _STATE
-from ..layers.module_call import call_in, no_global_hooks, plain_calls, reads_own_dicts
+from ..layers.module_call import call_in, no_global_hooks, own_attributes, plain_calls
 from ..layers.qkv import QKVPart, QKVProjection
 from .attention import (
     ATTENTION_NAME, _cache_classes, attend_paged, paged_attention_forward, paged_layer_of, store_step,
@@ -274,7 +274,6 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     if (state.unservable is not None or not isinstance(hidden, Tensor) or not isinstance(rotary, (tuple, list))
             or len(rotary) != 2 or module.needs_fallback(hidden) or not no_global_hooks()):
         return NotImplemented
-    plain = plain_calls()
     for name in _PASSED_ON:  # loops, not generators (about 1 µs less), which Dynamo traces too
         if name in arguments:
             return NotImplemented
@@ -297,6 +296,7 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
         return NotImplemented
 
     # the forward's statements, with the cache binding and the attention function's dispatch inlined
+    plain = plain_calls()
     input_shape = hidden.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
     heads = _head_counts(type(qkv), qkv.sizes, module.head_dim) if hidden.dim() == 3 else None
@@ -304,8 +304,8 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
         q, k, v = qkv.forward(hidden)  # what its q/k/v parts run
         query, key, value = [part.view(hidden_shape).transpose(1, 2) for part in (q, k, v)]
     else:  # the same three views, made from the merged output at once (3 ATen calls instead of 7)
-        proj = qkv._modules.get("proj") if reads_own_dicts(qkv, _PROJ) else None
-        merged = call_in(plain, qkv.proj if proj is None else proj, hidden)
+        (proj,) = own_attributes(qkv, "_modules", _PROJ)
+        merged = call_in(plain, proj, hidden)
         query, key, value = merged.view(hidden_shape).transpose(1, 2).split_with_sizes(heads, dim=1)
     cos, sin = rotary
     query, key = namespace["apply_rotary_pos_emb"](query, key, cos, sin)
@@ -316,8 +316,7 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     for name, value_of in recognised.forwarded:
         kwargs[name] = value_of(module)
     out, weights = attend_paged(module, state, batch, query, key, value, mask, module.scaling, 0.0, kwargs)
-    o_proj = module._modules.get("o_proj") if reads_own_dicts(module, _O_PROJ) else None
-    o_proj = module.o_proj if o_proj is None else o_proj
+    (o_proj,) = own_attributes(module, "_modules", _O_PROJ)
     return call_in(plain, o_proj, out.reshape(*input_shape, -1).contiguous()), weights
 
 

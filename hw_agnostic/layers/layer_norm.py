@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from ..ops import fused_add_layer_norm, layer_norm
 from ..ops.layer_norm import NUMERICS, fused_add_layer_norm_reference, layer_norm_reference
 from .base import CustomOp, EpsAliases
-from .module_call import reads_own_dicts
+from .module_call import own_attributes
 
 _WEIGHT_AND_BIAS = ("weight", "bias")
 
@@ -68,11 +68,7 @@ class LayerNorm(EpsAliases, CustomOp):
         self.bias = own_parameter("bias", "LayerNorm", shape, bias, has_bias, torch.zeros, dtype, device)
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
-        params = self._parameters
-        if "weight" in params and "bias" in params and reads_own_dicts(self, _WEIGHT_AND_BIAS):
-            weight, bias = params["weight"], params["bias"]
-        else:
-            weight, bias = self.weight, self.bias
+        weight, bias = own_attributes(self, "_parameters", _WEIGHT_AND_BIAS)
         if residual is None:
             return layer_norm(x, weight, bias, self.eps, numerics=self.numerics)
         # the fused kernel takes [hidden] parameters only, and one dtype (under autocast a 16-bit

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from ..ops.linear import linear
 from .base import CustomOp
-from .module_call import reads_own_dicts
+from .module_call import own_attributes
 
 _WEIGHT_AND_BIAS = ("weight", "bias")
 
@@ -21,11 +21,8 @@ class Linear(CustomOp, nn.Linear):
     """
 
     def forward(self, x: Tensor) -> Tensor:
-        if reads_own_dicts(self, _WEIGHT_AND_BIAS):
-            params = self._parameters
-            if "weight" in params and "bias" in params:
-                return linear(x, params["weight"], params["bias"])
-        return linear(x, self.weight, self.bias)
+        weight, bias = own_attributes(self, "_parameters", _WEIGHT_AND_BIAS)
+        return linear(x, weight, bias)
 
     def forward_native(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight, self.bias)

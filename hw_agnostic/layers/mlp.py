@@ -11,7 +11,7 @@ from torch import Tensor
 from .activation import act_and_mul
 from .base import PluggableLayer
 from .linear import Linear
-from .module_call import call_in, plain_calls, reads_own_dicts
+from .module_call import call_in, own_attributes, plain_calls
 
 _CHILDREN = ("gate_up_proj", "act_fn", "down_proj")
 
@@ -57,12 +57,7 @@ class GatedMLP(PluggableLayer):
                                    dtype=dtype, device=device)
 
     def forward(self, x: Tensor) -> Tensor:
-        children = self._modules
-        if "gate_up_proj" in children and "act_fn" in children and "down_proj" in children and reads_own_dicts(
-                self, _CHILDREN):
-            gate_up_proj, act_fn, down_proj = children["gate_up_proj"], children["act_fn"], children["down_proj"]
-        else:
-            gate_up_proj, act_fn, down_proj = self.gate_up_proj, self.act_fn, self.down_proj
+        gate_up_proj, act_fn, down_proj = own_attributes(self, "_modules", _CHILDREN)
         plain = plain_calls()
         gate_up = call_in(plain, gate_up_proj, x)
         if self.gate_multiplier is not None or self.up_multiplier is not None:

@@ -11,7 +11,9 @@ answers in 0.05.
 from __future__ import annotations
 
 import functools
-from typing import Any
+import operator
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -58,17 +60,29 @@ def call_in(plain: bool, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module.forward(*args, **kwargs)
 
 
-def reads_own_dicts(module: nn.Module, names: tuple[str, ...]) -> bool:
-    """Whether ``module``'s forward may read its parameters or children ``names`` from
-    ``module._parameters`` / ``module._modules`` rather than as attributes (see the module
-    docstring): where its class defines none of those names itself (a parametrization's generated
-    class, or a plugin's, may define one as a property, which the attribute read would reach
-    first), outside a Dynamo trace (which reads attributes its own way, at no cost inside the
-    graph). The caller still reads the attribute where a name is missing from the dict (deleted),
-    so the error is the attribute's."""
-    return not torch.compiler.is_compiling() and _defines_none(type(module), names)
+def own_attributes(module: nn.Module, store: str, names: tuple[str, ...]) -> tuple[Any, ...]:
+    """``tuple(getattr(module, name) for name in names)`` for parameters (``store="_parameters"``) or
+    children (``"_modules"``), read from that dict of the module (see the module docstring) where that
+    gives the same: where the module's class defines none of the names itself (a parametrization's
+    generated class, or a plugin's, may define one as a property, which the attribute read would
+    reach first), every name is in the dict (a deleted one raises the attribute's error), and
+    outside a Dynamo trace (which reads attributes its own way, at no cost inside the graph)."""
+    getter = None if torch.compiler.is_compiling() else _dict_getter(type(module), names)
+    if getter is not None:
+        try:
+            return getter(module.__dict__[store])
+        except KeyError:
+            pass
+    return tuple([getattr(module, name) for name in names])
 
 
 @functools.lru_cache(maxsize=256)  # bounded: a parametrization makes a class per module
-def _defines_none(cls: type, names: tuple[str, ...]) -> bool:
-    return not any(hasattr(cls, name) for name in names)
+def _dict_getter(cls: type, names: tuple[str, ...]) -> Optional[Callable[[dict[str, Any]], tuple[Any, ...]]]:
+    """What reads ``names`` out of a dict as a tuple (one C call for several names), or None where
+    ``cls`` defines one of them itself."""
+    if any(hasattr(cls, name) for name in names):
+        return None
+    if len(names) > 1:
+        return operator.itemgetter(*names)
+    name = names[0]
+    return lambda values: (values[name],)

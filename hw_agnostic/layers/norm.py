@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from ..ops import fused_add_rms_norm, rms_norm
 from ..ops.rms_norm import NUMERICS, fused_add_rms_norm_reference, rms_norm_reference
 from .base import CustomOp, EpsAliases
-from .module_call import reads_own_dicts
+from .module_call import own_attributes
 
 _WEIGHT = ("weight",)
 
@@ -55,8 +55,7 @@ class RMSNorm(EpsAliases, CustomOp):
             self.register_parameter("weight", None)
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
-        params = self._parameters
-        weight = params["weight"] if "weight" in params and reads_own_dicts(self, _WEIGHT) else self.weight
+        (weight,) = own_attributes(self, "_parameters", _WEIGHT)
         if residual is None:
             return rms_norm(x, weight, self.eps, numerics=self.numerics)
         if residual.dtype != x.dtype:  # autocast: a 16-bit output added to an fp32 stream promotes, as in HF
