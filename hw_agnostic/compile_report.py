@@ -37,7 +37,7 @@ HEADLINE_WIDTHS = {"rms_norm": 4096, "fused_add_rms_norm": 4096, "silu_and_mul":
                    "swiglu_oai": 2880, "write_kv_cache": 128, "paged_attention": 128, "moe_route": 2048,
                    "moe_align": 2048, "grouped_gemm": 2048, "fused_experts": 2048, "layer_norm": 4096,
                    "fused_add_layer_norm": 4096, "gated_rms_norm": 8192,
-                   "rotary_embedding": 128}
+                   "rotary_embedding": 128, "rotary_write_kv_cache": 128}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,10 +16,11 @@ from tests.backend.models import build, prompt
 from tests.test_attention_integration import padded_prompts
 
 NEW_TOKENS = 4
-#: the kernels one rewired Llama decoder layer launches (its norms, MLP, KV write and attention); both
-#: residual adds run with the norm after them (the last one with the next layer's input norm)
-LAYER_KERNELS = {"fused_add_rms_norm_row": 2, "gated_activation": 1, "write_kv_cache": 1,
-                 "paged_attention": 1, "rotary_embedding": 1}
+#: the kernels one rewired Llama decoder layer launches (its norms, MLP, rotary embedding with the KV
+#: write, and attention); both residual adds run with the norm after them (the last one with the next
+#: layer's input norm)
+LAYER_KERNELS = {"fused_add_rms_norm_row": 2, "gated_activation": 1, "rotary_write_kv_cache": 1,
+                 "paged_attention": 1}
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ from hw_agnostic.kernels.launch_binding import BoundLaunch, HostLaunch
 #: The ops whose Helion run binds its launches to a call signature.
 BINDING = ["rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_", "layer_norm", "fused_add_layer_norm",
            "fused_add_layer_norm_", "gated_rms_norm", "silu_and_mul", "gelu_and_mul", "swiglu_oai",
-           "rotary_embedding", "write_kv_cache", "paged_attention", "moe_route", "moe_align", "grouped_gemm",
-           "fused_experts"]
+           "rotary_embedding", "write_kv_cache", "rotary_write_kv_cache", "paged_attention", "moe_route", "moe_align",
+           "grouped_gemm", "fused_experts"]
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def test_replayed_launches_compute_what_the_host_code_does(name, device, checked
 
 #: The ops whose bound run hands its replays its own tensors for the views its host code takes.
 REPLAYING_WITHOUT_VIEWS = ["rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_", "silu_and_mul", "gelu_and_mul",
-                           "swiglu_oai", "write_kv_cache", "paged_attention"]
+                           "swiglu_oai", "write_kv_cache", "rotary_write_kv_cache", "paged_attention"]
 
 
 @pytest.mark.dsl

@@ -44,7 +44,7 @@ def moe_model(width: int) -> MoEModel:
 
 def widths(op_name: str) -> list[int]:
     """The last-dimension sizes an op sees in these models (hidden for norms, intermediate for MLPs)."""
-    if op_name in ("paged_attention", "write_kv_cache", "rotary_embedding"):  # their example inputs take the head dim
+    if op_name in ("paged_attention", "write_kv_cache", "rotary_embedding", "rotary_write_kv_cache"):  # their example inputs take the head dim
         return sorted({head for *_, head in MODELS})
     if op_name in MOE_OPS:  # the MoE ops' example inputs take the model from its hidden size
         return sorted({m.hidden for m in MOE_MODELS})

@@ -379,16 +379,20 @@ class PagedCacheLayer(_cache_layer_base()):  # type: ignore[misc]
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         pass
 
-    def append(self, key_states: Tensor, value_states: Tensor, real: Optional[Tensor]) -> PagedBatch:
-        """``key_states`` / ``value_states`` in transformers' layout ``[B, Hkv, q, D]``."""
+    def append(self, key_states: Tensor, value_states: Tensor, real: Optional[Tensor],
+               rotary: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> PagedBatch:
+        """``key_states`` / ``value_states`` in transformers' layout ``[B, Hkv, q, D]``; with ``rotary``
+        (``(query, cos, sin)``), the query and keys rotated by the write (see :meth:`PagedKVCache.append`)."""
         batch_size, heads, _, head_dim = key_states.shape
         key_states, value_states = _as_stored(key_states, value_states, self.store)
         if self.store is None:
             self.store = PagedKVCache(batch_size, heads, head_dim, block_size=self.block_size,
                                       dtype=key_states.dtype, device=key_states.device, share=self.share,
                                       capacity=self.capacity)
-        batch = self.store.append(key_states.transpose(1, 2), value_states.transpose(1, 2), real)
-        batch.key_states, batch.value_states = key_states, value_states
+        batch = self.store.append(key_states.transpose(1, 2), value_states.transpose(1, 2), real, rotary)
+        if rotary is None:
+            batch.key_states = key_states
+        batch.value_states = value_states
         return batch
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
@@ -592,15 +596,16 @@ def paged_layer_of(cache: Any, index: int, block_size: int, windowed: bool = Tru
 
 
 def store_step(state: Any, paged: PagedCacheLayer, key_states: Tensor, value_states: Tensor,
-               mask: Any) -> PagedBatch:
-    """Write a step ``[B, Hkv, q, D]`` into ``paged``, its padding read from ``mask``."""
+               mask: Any, rotary: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> PagedBatch:
+    """Write a step ``[B, Hkv, q, D]`` into ``paged``, its padding read from ``mask`` (``rotary``: see
+    :meth:`PagedCacheLayer.append`)."""
     past, q_len = (0 if paged.store is None else paged.store.positions()), key_states.shape[2]
     if state.unservable is not None or mask is None:  # no padding to read; or its masks are not the
         real = None  # kernel's: its own attention, every token kept
     else:
         # the mask is the caller's, who may refill it in place: keyed on its version too
         real = paged.share.once(("real", mask, q_len, past), lambda: real_tokens(mask, q_len, past), versioned=True)
-    return paged.append(key_states, value_states, real)
+    return paged.append(key_states, value_states, real, rotary)
 
 
 class _StoreBinding:

@@ -22,7 +22,9 @@ attention call's ``dropout``, ``sliding_window`` and ``softcap`` keywords set as
 :func:`direct_forward` makes the same calls itself: the merged q/k/v projection's forward once
 (what its parts call; where that forward is :class:`QKVProjection`'s own and every part is whole
 heads, its linear layer, the heads split off with one view, one transpose and one split), the
-forward's own ``apply_rotary_pos_emb`` (the rotary router where that change stands), the step's write into the paged view and the attention function's work
+forward's own ``apply_rotary_pos_emb`` (the rotary router where that change stands; where the router
+would run ``rotary_embedding``, the step's write rotates instead, ``rotary_write_kv_cache``: the same
+bits in one launch instead of two), the step's write into the paged view and the attention function's work
 (:func:`~hw_agnostic.backend.attention.store_step` and
 :func:`~hw_agnostic.backend.attention.attend_paged`, which the general path runs too: padding read
 from the mask, the mask checked against the kernel's), with the window and softcap the forward's
@@ -262,6 +264,18 @@ def _attn_implementation(config: Any) -> Any:
     return config._attn_implementation if implementation is _UNSET else implementation
 
 
+def _rotates_in_the_write(rotate: Any, query: Tensor, key: Tensor, value: Tensor, cos: Any, sin: Any,
+                          paged: Any) -> bool:
+    """Whether the step's write can rotate the query and keys too (``rotary_write_kv_cache``, one
+    launch for two): ``rotate`` is a rotary router that would run ``rotary_embedding`` on them
+    (:mod:`.rotary`), and the keys, values, tables and pages share one dtype (the write stores
+    the rotated keys as they come)."""
+    routes = getattr(rotate, "routes", None)
+    dtype = query.dtype
+    return (routes is not None and key.dtype is dtype and value.dtype is dtype and getattr(cos, "dtype", None) is dtype
+            and getattr(sin, "dtype", None) is dtype and (paged.store is None or paged.store.dtype is dtype) and routes(query, key, cos, sin))
+
+
 _UNSET = object()
 _PROJ, _O_PROJ = ("proj",), ("o_proj",)
 
@@ -308,9 +322,13 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
         merged = call_in(plain, proj, hidden)
         query, key, value = merged.view(hidden_shape).transpose(1, 2).split_with_sizes(heads, dim=1)
     cos, sin = rotary
-    query, key = namespace["apply_rotary_pos_emb"](query, key, cos, sin)
-    mask = arguments.get("attention_mask")
-    batch = store_step(state, paged, key, value, mask)
+    rotate, mask = namespace["apply_rotary_pos_emb"], arguments.get("attention_mask")
+    if _rotates_in_the_write(rotate, query, key, value, cos, sin, paged):
+        batch = store_step(state, paged, key, value, mask, (query, cos, sin))
+        query, key = batch.query_states, batch.key_states
+    else:
+        query, key = rotate(query, key, cos, sin)
+        batch = store_step(state, paged, key, value, mask)
     state.kv = paged.store
     kwargs = {name: value for name, value in arguments.items() if name not in _NOT_PASSED_ON}
     for name, value_of in recognised.forwarded:

@@ -26,6 +26,10 @@ The model's function itself runs instead whenever the router cannot probe or mus
 * the modeling module's function was replaced after the rewire (a patch such as Liger's): the
   router calls what the module holds now.
 
+The router also answers, without probing, whether a call would run the op (``routes``): the
+direct attention path (:mod:`.attention_direct`) then runs it fused with the step's cache write,
+``rotary_write_kv_cache`` (the same bits, one launch fewer).
+
 The rewired model is still checked as a whole against the original (:mod:`.verify`); a change
 that disagrees there is undone like any other.
 """
@@ -133,7 +137,18 @@ def _router(name: str, namespace: dict[str, Any], original: Callable[..., Any]) 
             return rotary_embedding(q, k, cos, sin)
         return original(q, k, cos, sin)
 
+    def routes(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> bool:
+        """Whether ``routed(q, k, cos, sin)`` would run ``rotary_embedding`` (a verdict found, none probed)."""
+        if namespace.get(name) is not original or not (isinstance(cos, Tensor) and isinstance(sin, Tensor)):
+            return False
+        if torch.is_grad_enabled() and (
+                q.requires_grad or k.requires_grad or cos.requires_grad or sin.requires_grad):
+            return False
+        verdict = found.get(_signature(q, k, cos, sin))
+        return verdict is not None and verdict.same
+
     routed.verdicts = found  # type: ignore[attr-defined]
+    routed.routes = routes  # type: ignore[attr-defined]
     routed.__wrapped__ = original  # type: ignore[attr-defined]
     routed.__name__ = f"routed_{name}"
     return routed

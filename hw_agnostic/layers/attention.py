@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.paged_attention import paged_attention
+from ..ops.rotary_write_kv_cache import rotary_write_kv_cache
 from ..ops.write_kv_cache import write_kv_cache
 from .base import PluggableLayer, resolve
 from .made_class import made_by
@@ -77,6 +78,8 @@ class PagedBatch:
     # these very tensors, or the module changed K/V after storing them (and cannot be paged).
     key_states: Optional[Tensor] = None
     value_states: Optional[Tensor] = None
+    # The rotated queries, where the step's write rotated them with its keys (see PagedKVCache.append).
+    query_states: Optional[Tensor] = None
     # The layer's pages the step went to (None for pages owned elsewhere: continuous batching).
     store: Optional["PagedKVCache"] = None
 
@@ -216,32 +219,46 @@ class PagedKVCache:
         self.block_table, self._row_start = self.share.once(
             ("layout", batch_size, blocks_per_row, block_size, device), layout)
 
-    def append(self, key: Tensor, value: Tensor, real: Optional[Tensor] = None) -> PagedBatch:
+    def append(self, key: Tensor, value: Tensor, real: Optional[Tensor] = None,
+               rotary: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> PagedBatch:
         """Write one step's ``key`` / ``value`` ``[B, q, Hkv, D]`` and return the batch to attend.
 
-        ``real`` (``[B, q]`` bool, optional) marks the tokens that are not padding.
+        ``real`` (``[B, q]`` bool, optional) marks the tokens that are not padding. With ``rotary``,
+        ``(query [B, Hq, q, D], cos, sin)``, the query and ``key`` are rotated first, in the same
+        launch as the write (``rotary_write_kv_cache``): the batch's ``query_states`` and
+        ``key_states`` hold them rotated, in Hugging Face's layout.
         """
         batch_size, q_len = key.shape[0], key.shape[1]
         if batch_size != self.batch_size:
             raise ValueError(f"PagedKVCache: a step of {batch_size} rows for a cache of {self.batch_size}")
         if self.static:
-            return self._append_static(key, value, real)
+            return self._append_static(key, value, real, rotary)
         self._reserve(self.seen + q_len)
         assert self._row_start is not None and self.block_table is not None
         step = self.share.once(
             ("append", self.kv_lens, self._row_start, real, q_len, self.real, self.seen),
             lambda: _step_metadata(self.kv_lens, self._row_start, real, q_len, self.real, self.seen, self.device))
-        write_kv_cache(
-            key.reshape(batch_size * q_len, self.num_kv_heads, self.head_dim),
-            value.reshape(batch_size * q_len, self.num_kv_heads, self.head_dim),
-            self.k_pages, self.v_pages, step.slots,
-        )
+        rotated = self._write(key, value, step.slots, rotary)
         self.kv_lens, self.real = step.kv_lens, step.real
         self.seen += q_len
         return PagedBatch(self.k_pages, self.v_pages, self.block_table, step.cu_seqlens_q, self.kv_lens, q_len,
-                          self.seen, step.query_order, store=self)
+                          self.seen, step.query_order, store=self, query_states=rotated[0], key_states=rotated[1])
 
-    def _append_static(self, key: Tensor, value: Tensor, real: Optional[Tensor]) -> PagedBatch:
+    def _write(self, key: Tensor, value: Tensor, slots: Tensor,
+               rotary: Optional[tuple[Tensor, Tensor, Tensor]]) -> tuple[Optional[Tensor], Optional[Tensor]]:
+        """Write ``key`` / ``value`` ``[B, q, Hkv, D]`` into their ``slots`` (rotating ``rotary``'s query and
+        the keys first, see :meth:`append`); returns the rotated query and keys (None without ``rotary``)."""
+        if rotary is None:
+            tokens = key.shape[0] * key.shape[1]
+            write_kv_cache(key.reshape(tokens, self.num_kv_heads, self.head_dim),
+                           value.reshape(tokens, self.num_kv_heads, self.head_dim), self.k_pages, self.v_pages, slots)
+            return None, None
+        query, cos, sin = rotary
+        return rotary_write_kv_cache(query, key.transpose(1, 2), value.transpose(1, 2), cos, sin, self.k_pages,
+                                     self.v_pages, slots)
+
+    def _append_static(self, key: Tensor, value: Tensor, real: Optional[Tensor],
+                       rotary: Optional[tuple[Tensor, Tensor, Tensor]]) -> PagedBatch:
         """:meth:`append` on a static store: the step's metadata computed from the device counters,
         which are then advanced in place.
 
@@ -269,11 +286,7 @@ class PagedKVCache:
         slots = _slots(layout, self.kv_lens, self._row_start)
         if on_device:  # a position past the capacity is never written, whatever the assertion leaves running
             slots = torch.where(fits[None, :], slots, -1)
-        write_kv_cache(
-            key.reshape(batch_size * q_len, self.num_kv_heads, self.head_dim),
-            value.reshape(batch_size * q_len, self.num_kv_heads, self.head_dim),
-            self.k_pages, self.v_pages, slots.reshape(-1),
-        )
+        rotated = self._write(key, value, slots.reshape(-1), rotary)
         if on_device:
             written = fits[None, :].expand(batch_size, q_len)
             if layout.real is not None:
@@ -285,7 +298,8 @@ class PagedKVCache:
         self.kv_lens.add_(layout.counts)
         self.seen.add_(q_len)
         return PagedBatch(self.k_pages, self.v_pages, self.block_table, layout.cu_seqlens_q, self.kv_lens, q_len,
-                          self.capacity, layout.query_order, store=self)
+                          self.capacity, layout.query_order, store=self, query_states=rotated[0],
+                          key_states=rotated[1])
 
     def _past_capacity(self) -> str:
         return (f"PagedKVCache: a step past the static capacity of {self.capacity} tokens per row "

@@ -27,6 +27,7 @@ from .registry import (
 )
 from .rms_norm import fused_add_rms_norm, rms_norm
 from .rotary_embedding import rotary_embedding
+from .rotary_write_kv_cache import rotary_write_kv_cache
 from .write_kv_cache import write_kv_cache
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "reset",
     "rms_norm",
     "rotary_embedding",
+    "rotary_write_kv_cache",
     "silu_and_mul",
     "swiglu_oai",
     "trace_dispatch",

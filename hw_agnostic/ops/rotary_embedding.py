@@ -242,30 +242,31 @@ class RotaryKey(NamedTuple):
     int64: bool
 
 
-def check_rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
+def check_rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, op: str = OP) -> None:
+    """The checks of ``q``, ``k``, ``cos`` and ``sin`` (``op``: the op the errors name, one that rotates them)."""
     for name, x in (("q", q), ("k", k)):
-        checks.tensor(OP, name, x)
+        checks.tensor(op, name, x)
         if x.dim() != 4:
-            raise ValueError(f"{OP}: {name} must be [batch, heads, tokens, head_dim] (4-D); got shape {tuple(x.shape)}")
-    checks.same_device(OP, "k", k, "q", q)
-    checks.same_dtype(OP, "k", k, "q", q)
+            raise ValueError(f"{op}: {name} must be [batch, heads, tokens, head_dim] (4-D); got shape {tuple(x.shape)}")
+    checks.same_device(op, "k", k, "q", q)
+    checks.same_dtype(op, "k", k, "q", q)
     batch, _, tokens, head_dim = q.shape
     if (k.shape[0], k.shape[2], k.shape[3]) != (batch, tokens, head_dim):
-        raise ValueError(f"{OP}: k must match q's batch, tokens and head_dim ({batch}, {tokens}, {head_dim}); "
+        raise ValueError(f"{op}: k must match q's batch, tokens and head_dim ({batch}, {tokens}, {head_dim}); "
                          f"got k of shape {tuple(k.shape)} for q of shape {tuple(q.shape)}")
     for name, table in (("cos", cos), ("sin", sin)):
-        checks.tensor(OP, name, table)
-        checks.same_device(OP, name, table, "q", q)
+        checks.tensor(op, name, table)
+        checks.same_device(op, name, table, "q", q)
         if table.dim() != 3:
-            raise ValueError(f"{OP}: {name} must be [batch or 1, tokens, rotary_dim] (3-D); got shape {tuple(table.shape)}")
-    checks.same_shape(OP, "sin", sin, "cos", cos)
-    checks.same_dtype(OP, "sin", sin, "cos", cos)
+            raise ValueError(f"{op}: {name} must be [batch or 1, tokens, rotary_dim] (3-D); got shape {tuple(table.shape)}")
+    checks.same_shape(op, "sin", sin, "cos", cos)
+    checks.same_dtype(op, "sin", sin, "cos", cos)
     table_batch, table_tokens, rotary = cos.shape
     if table_batch not in (1, batch) or table_tokens != tokens:
-        raise ValueError(f"{OP}: cos and sin must be [{batch} or 1, {tokens}, rotary_dim] for q of shape "
+        raise ValueError(f"{op}: cos and sin must be [{batch} or 1, {tokens}, rotary_dim] for q of shape "
                          f"{tuple(q.shape)}; got {tuple(cos.shape)}")
     if rotary < 2 or rotary % 2 or rotary > head_dim:
-        raise ValueError(f"{OP}: the rotary dim (cos.shape[-1]) must be even and within 2..head_dim ({head_dim}); "
+        raise ValueError(f"{op}: the rotary dim (cos.shape[-1]) must be even and within 2..head_dim ({head_dim}); "
                          f"got {rotary}")
 
 
