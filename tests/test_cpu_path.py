@@ -25,6 +25,7 @@ from tests.ops import test_activations as activation_tests
 from tests.ops import test_gated_rms_norm as gated_tests
 from tests.ops import test_layer_norm as layer_norm_tests
 from tests.ops import test_rotary_embedding as rotary_tests
+from tests.ops import test_rotary_write_kv_cache as fused_rotary_tests
 from tests.ops import test_paged_attention as attention_tests
 from tests.ops import test_rms_norm as norm_tests
 
@@ -32,6 +33,7 @@ activations = importlib.import_module("hw_agnostic.ops.activations")
 rms_norm = importlib.import_module("hw_agnostic.ops.rms_norm")
 layer_norm = importlib.import_module("hw_agnostic.ops.layer_norm")
 rotary = importlib.import_module("hw_agnostic.ops.rotary_embedding")
+fused_rotary = importlib.import_module("hw_agnostic.ops.rotary_write_kv_cache")
 gated = importlib.import_module("hw_agnostic.ops.gated_rms_norm")
 route_module = importlib.import_module("hw_agnostic.ops.moe_route")
 
@@ -313,6 +315,36 @@ def test_rotary_on_hf_transposed_views_runs_a_lean_graph_of_the_untransposed_ten
             assert mine.stride() == spec.stride()
             _assert_same_bits(mine, spec)
     assert run.compiled[(True, rotary_dim == 64)].has_compiled  # tokens-major
+
+
+#: a decode step in each dtype, padding, per-row tables, partial rotary, a merged projection's views,
+#: heads that do not merge (q / k laid out anew), no tokens
+FUSED_ROTARY_CASES = [fused_rotary_tests.CASES[i] for i in (0, 1, 2, 3, 5, 6, 8, 11, 12)]
+
+
+@pytest.mark.parametrize("case", FUSED_ROTARY_CASES, ids=repr)
+def test_rotary_write_kv_cache(case):
+    check_provider(fused_rotary.rotary_write_kv_cache_op, "reference", _without_config(case), "cpu")
+
+
+@pytest.mark.parametrize("case", FUSED_ROTARY_CASES, ids=repr)
+def test_rotary_write_kv_cache_is_bit_identical_to_the_reference(case):
+    """Bound to the call's signature (the second call) too: rotary_embedding's run without its dispatch."""
+    args = case.make()
+    with ops.trace_dispatch() as ran:
+        for _ in range(2):
+            want_args = tuple(a.clone() for a in args)
+            got = ops.rotary_write_kv_cache(*args)
+            want = fused_rotary.rotary_write_kv_cache_reference(*want_args)
+            for mine, spec in (*zip(got, want), (args[5], want_args[5]), (args[6], want_args[6])):
+                assert _significant_strides(mine) == _significant_strides(spec)
+                _assert_same_bits(mine, spec)
+    assert [p.provider for p in ran] == ["reference", "reference"]
+
+
+def _significant_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides that place elements (PyTorch's own comparisons ignore those of size-1 dims)."""
+    return tuple(stride for stride, size in zip(t.stride(), t.shape) if size > 1)
 
 
 GATED_CASES = [c for c in gated_tests.CASES if c.config is None]

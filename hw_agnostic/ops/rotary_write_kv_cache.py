@@ -11,7 +11,8 @@ code costs more than the work. This op is both, with the spec of each:
   :mod:`.write_kv_cache`, with the rotated keys and ``v`` as its ``key`` / ``value``.
 * Results: ``(q_embed, k_embed)``, what ``rotary_embedding(q, k, cos, sin)`` returns, laid out
   tokens-major (``[B, T, H, D]`` tensors viewed as ``[B, H, T, D]``, as the projections' heads
-  are); the caches are written in place. The rotated keys must have the cache's dtype, and ``v``
+  are; the strides of size-1 dims may differ, as PyTorch's own comparisons allow); the caches
+  are written in place. The rotated keys must have the cache's dtype, and ``v``
   too.
 
 The numerics are the two ops' (bit-identical to Hugging Face's eager rotary code in fp16 and
@@ -24,6 +25,7 @@ was shown to compute what ``rotary_embedding`` computes and a kernel can take th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -78,15 +80,32 @@ def _rotary_write_kv_cache_shapes(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, 
     return _tokens_major(q, dtype), _tokens_major(k, dtype)
 
 
-def _two_steps(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-               slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
-    """The reference provider's form: ``rotary_embedding`` as it runs here (on the CPU its compiled
-    spec), then ``write_kv_cache``'s eager write (its checks in one host read of the slots, the
-    writes as ``index_copy_``): on a device without the kernel, as fast as the two ops."""
-    q_rotated, k_rotated = rotary_embedding_op.call(q, k, cos, sin)
+def _two_steps(rotate: Callable[..., tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor, cos: Tensor,
+               sin: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
+    """``rotate`` (``rotary_embedding`` as it runs here), then ``write_kv_cache``'s eager write (its
+    checks in one host read of the slots, the writes as ``index_copy_``)."""
+    q_rotated, k_rotated = rotate(q, k, cos, sin)
     q_embed, k_embed = _as_tokens_major(q_rotated), _as_tokens_major(k_rotated)
     _EAGER_WRITE(_token_rows(k_embed), _token_rows(v), k_cache, v_cache, slot_mapping)
     return q_embed, k_embed
+
+
+class _TwoOps:
+    """The reference provider's form: the two ops one after the other, as fast as they run apart (on
+    the CPU the rotation is ``rotary_embedding``'s compiled spec). Bound to a call signature (see
+    :meth:`.Plan.bound`) it runs ``rotary_embedding``'s run for that signature without its
+    dispatch (the signature fixes its plan; forcing a provider or a config resets both ops)."""
+
+    def __call__(self, *args: Tensor) -> tuple[Tensor, Tensor]:
+        return _two_steps(rotary_embedding_op.call, *args)
+
+    def bind(self, args: tuple) -> Callable[..., tuple[Tensor, Tensor]]:
+        q, k, _, cos, sin = args[:5]
+        rotation = (q, k, cos, sin)
+        return functools.partial(_two_steps, rotary_embedding_op.plan(*rotation).bound(rotation))
+
+
+_TWO_OPS = _TwoOps()
 
 
 def _as_tokens_major(x: Tensor) -> Tensor:
@@ -246,7 +265,7 @@ def _example(tokens: int, head_dim: int, dtype: torch.dtype, device: str) -> tup
 rotary_write_kv_cache_op = Op(
     OP, rotary_write_kv_cache_reference, check=check_rotary_write_kv_cache, key=rotary_write_kv_cache_key,
     providers=[_HELION], mutates_args=("k_cache", "v_cache"), example_inputs=_example,
-    native=lambda key: _two_steps, fake=_rotary_write_kv_cache_shapes,
+    native=lambda key: _TWO_OPS, fake=_rotary_write_kv_cache_shapes,
 )
 
 
