@@ -95,7 +95,9 @@ def attend(
 ) -> Tensor:
     """``paged_attention`` for queries in Hugging Face's layout ``[B, Hq, q, D]``; returns ``[B, q, Hq, D]``."""
     batch_size, heads, q_len, head_dim = query.shape
-    rows = query.transpose(1, 2).reshape(batch_size * q_len, heads, head_dim)
+    # one query a row (a decode step): the same rows as the transposed form's, in one view where it is one
+    rows = (query.reshape(batch_size, heads, head_dim) if q_len == 1
+            else query.transpose(1, 2).reshape(batch_size * q_len, heads, head_dim))
     if batch.query_order is not None:
         rows = rows[batch.query_order]
     out = paged_attention(

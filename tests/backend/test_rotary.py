@@ -80,6 +80,42 @@ def test_another_rotary_layout_keeps_the_models_function_and_says_why(family):
     assert _rotary_calls(lambda: model(prompt(length=6))) == 0
 
 
+def _router(module: PagedAttention):
+    forward = PagedAttention.forward_of(module)
+    while forward is not None:
+        found = [v for v in getattr(forward, "__globals__", {}).values() if callable(getattr(v, "routes", None))]
+        if found:
+            return found[0]
+        forward = getattr(forward, "__wrapped__", None)
+    raise AssertionError("no rotary router")
+
+
+def test_routes_says_what_the_router_would_run_and_keeps_the_last_verdict_per_tables():
+    """The direct attention path asks ``routes`` before running the rotation inside the KV write."""
+    model = build("llama")
+    rewire(model, verify=False)
+    router = _router(_paged(model)[0])
+    router.verdicts.clear()  # (routers live with their modeling module: other tests' probes are in it)
+    routes = router.routes
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, config.num_attention_heads, head_dim, generator=g).transpose(1, 2)
+    k = torch.randn(2, 3, config.num_key_value_heads, head_dim, generator=g).transpose(1, 2)
+    cos, sin = torch.rand(1, 3, head_dim, generator=g), torch.rand(1, 3, head_dim, generator=g)  # as HF passes them
+    assert not routes(q, k, cos, sin)  # nothing probed yet: the router would probe first
+    with torch.no_grad():
+        model(prompt())  # probes the call signatures
+    assert routes(q, k, cos, sin) and routes(q, k, cos, sin)  # the second from the kept verdict
+    # the same tables with q / k of another signature: not the kept verdict's
+    assert not routes(q.double(), k.double(), cos, sin)
+    assert not routes(q[:, :2], k[:, :1], cos, sin)  # other head counts: a signature never probed
+    assert not routes(q[:, :, :, :4], k[:, :, :, :4], cos[..., :4], sin[..., :4])
+    assert routes(q, k, cos, sin)
+    q.requires_grad_(True)
+    assert not routes(q, k, cos, sin)  # autograd records: the model's function runs
+
+
 def test_the_probe_uses_random_tables_not_the_call_s():
     """At position 0 (cos 1, sin 0) every layout agrees; the probe must not be fooled by such a call."""
     from transformers.models.glm.modeling_glm import apply_rotary_pos_emb as glm_rotary
