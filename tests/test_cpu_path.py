@@ -613,23 +613,25 @@ def test_pages_in_a_regular_layout_are_read_in_place(q_lens, kv_lens, stride, dt
     args = _regular_batch(q_lens, kv_lens, stride, dtype)
     assert attention._regular_blocks(args[3][:, :1]) is not None
     got = attention._EAGER_ATTENTION(*args)
-    monkeypatch.setattr(attention, "_regular_blocks", lambda blocks: None)
+    monkeypatch.setattr(attention, "_regular_blocks", lambda blocks, listed=None: None)
     _assert_same_bits(got, attention._EAGER_ATTENTION(*args))
     want = _float64_spec(args)
     assert_close(got, want, dtype)
 
 
-@pytest.mark.parametrize("listed", [True, False], ids=["listed", "tensor-ops"])
+@pytest.mark.parametrize("listed", ["read", "given", "tensor-ops"])
 @pytest.mark.parametrize("table, regular", [([[3, 4, 5]], (3, 0)), ([[3, 5, 6]], None), ([[0, 1], [4, 5]], (0, 4)),
                                             ([[4, 5], [0, 1]], None), ([[2, 3], [2, 3]], (2, 0)), ([[7]], (7, 0)),
                                             ([[0, 1], [3, 4], [7, 8]], None)],
                          ids=["one-row", "gap", "rows", "backwards", "shared", "one-block", "uneven-rows"])
 def test_regular_block_layouts(table, regular, listed, monkeypatch):
-    """Small tables are read as one list, larger ones by tensor ops: the same verdicts."""
+    """Small tables are read as one list (or take the list the metadata checks read), larger ones by
+    tensor ops: the same verdicts."""
     attention = importlib.import_module("hw_agnostic.ops.paged_attention")
-    if not listed:
+    if listed == "tensor-ops":
         monkeypatch.setattr(attention, "LISTED_BLOCKS", 0)
-    assert attention._regular_blocks(torch.tensor(table, dtype=torch.int32)) == regular
+    blocks = torch.tensor(table, dtype=torch.int32)
+    assert attention._regular_blocks(blocks, table if listed == "given" else None) == regular
 
 
 @pytest.mark.parametrize("gqa", [True, False], ids=["gqa-heads", "query-rows"])
@@ -883,7 +885,7 @@ def test_the_cpu_write_lands_the_specs_bytes(name):
     _assert_same_bits(got[3], want[3])
 
 
-@pytest.mark.parametrize("listed", [True, False], ids=["listed", "tensor-ops"])
+@pytest.mark.parametrize("listed", ["read", "given", "tensor-ops"])
 @pytest.mark.parametrize("slots, message", [([3, 20], "past the cache's 16 slots"),
                                             ([3, 5, 3], "writes one slot twice")], ids=["past-the-cache", "twice"])
 def test_the_cpu_write_raises_as_the_spec_does(slots, message, listed, monkeypatch):
