@@ -51,6 +51,7 @@ HEADLINE = (
     ("fused_add_rms_norm", 4096, (1, 128, 4096)),
     ("silu_and_mul", 14336, (1, 128, 4096)),
     ("write_kv_cache", 128, (1, 128, 4096)),
+    ("rotary_write_kv_cache", 128, (1, 128, 4096)),  # the direct attention path's rotary + KV write
     ("paged_attention", 128, (1, 128, 4096)),
     ("moe_route", 2048, (1, 128, 4096)),
     ("fused_experts", 2048, (1, 128, 4096)),
