@@ -9,6 +9,11 @@ Qwen2, Gemma-2) share one attention forward, statement for statement:
     scaling=self.scaling, [dropout=..., sliding_window=..., softcap=...], **kwargs);
     merge the heads; o_proj.
 
+Qwen3 and its kin (Qwen3-MoE, Qwen3-VL, dots1, Mellum: 9 more classes) run the same forward with
+per-head norms of the queries and keys before the rotary embedding, ``self.q_norm(...)`` /
+``self.k_norm(...)`` of each part's ``[B, T, H, D]`` heads (:data:`_QK_NORM_TEMPLATE`); the direct
+path calls those two modules (their hooks too) on the same views.
+
 A paged module (:class:`~hw_agnostic.layers.PagedAttention`) runs that forward with its cache bound
 to a paged view and its attention function dispatched by name: three projection-part calls, the
 ``kernels`` and ``deprecate_kwarg`` wrappers, a binding object and the attention-interface lookup,
@@ -95,6 +100,15 @@ def forward(self, hidden_states, position_embeddings, attention_mask, cache, **k
 '''
 
 
+#: The template with per-head norms of the queries and keys before the rotary embedding (Qwen3 and
+#: its derivatives, dots1, Doge, ...): ``self.q_norm`` / ``self.k_norm`` of each part's heads.
+_QK_NORM_TEMPLATE = _TEMPLATE.replace(
+    "query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+    "query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)").replace(
+    "key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+    "key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)")
+
+
 @dataclasses.dataclass(frozen=True)
 class Recognised:
     """A class forward recognised as the template: its code, and its forwarded keywords as functions of ``self``."""
@@ -102,6 +116,7 @@ class Recognised:
     code: types.CodeType
     forwarded: tuple[tuple[str, Callable[[nn.Module], Any]], ...]
     owner: type  # the class whose forward it is
+    qk_norms: bool = False  # the forward is :data:`_QK_NORM_TEMPLATE`'s
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Recognised again where it is unpickled (code and the forwarded functions do not pickle)."""
@@ -156,9 +171,9 @@ def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.
     return dumps, unify.forwarded
 
 
-@functools.lru_cache(maxsize=1)
-def _template() -> list[str]:
-    parsed = _body(ast.parse(_TEMPLATE).body[0])  # type: ignore[arg-type]
+@functools.lru_cache(maxsize=2)
+def _template(source: str = _TEMPLATE) -> list[str]:
+    parsed = _body(ast.parse(source).body[0])  # type: ignore[arg-type]
     assert parsed is not None
     return parsed[0]
 
@@ -177,8 +192,9 @@ def recognise(cls: type) -> Optional[Recognised]:
     if not isinstance(function, ast.FunctionDef):
         return None
     parsed = _body(function)
-    if parsed is None or parsed[0] != _template():
+    if parsed is None or parsed[0] not in (_template(), _template(_QK_NORM_TEMPLATE)):
         return None
+    qk_norms = parsed[0] == _template(_QK_NORM_TEMPLATE)
     local = {a.arg for a in function.args.args} | {function.args.kwarg.arg} | {
         n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     forwarded = []
@@ -190,11 +206,17 @@ def recognise(cls: type) -> Optional[Recognised]:
         ast.fix_missing_locations(source)
         forwarded.append((name, eval(compile(source, inspect.getsourcefile(inner) or "<forward>", "eval"),  # noqa: S307
                                      inner.__globals__)))
-    return Recognised(inner.__code__, tuple(forwarded), cls)
+    return Recognised(inner.__code__, tuple(forwarded), cls, qk_norms)
 
 
 # --------------------------------------------------------------------------------------------
 # the call
+
+
+def _qk_norms(children: dict[str, Optional[nn.Module]]) -> Optional[tuple[nn.Module, nn.Module]]:
+    """The modules the forward calls as ``self.q_norm`` / ``self.k_norm`` (None: one is not a child module)."""
+    q_norm, k_norm = children.get("q_norm"), children.get("k_norm")
+    return (q_norm, k_norm) if isinstance(q_norm, nn.Module) and isinstance(k_norm, nn.Module) else None
 
 
 def _merged_projection(children: dict[str, Optional[nn.Module]]) -> Optional[QKVProjection]:
@@ -299,11 +321,13 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     Cache, EncoderDecoderCache, PagedAttentionCache = _cache_classes()
     if not isinstance(cache, Cache) or isinstance(cache, (EncoderDecoderCache, PagedAttentionCache)):
         return NotImplemented
-    qkv = _merged_projection(module._modules)
+    children = module._modules
+    qkv = _merged_projection(children)
+    norms = _qk_norms(children) if recognised.qk_norms else None
     namespace = _namespace(state.base_forward, recognised.code)
     layer_idx = getattr(module, "layer_idx", None)
     if (qkv is None or namespace is None or type(layer_idx) is not int or _mapped_kernel(module)
-            or not _names_paged_attention(module.config, namespace)):
+            or recognised.qk_norms and norms is None or not _names_paged_attention(module.config, namespace)):
         return NotImplemented
     paged = paged_layer_of(cache, layer_idx, state.block_size, state.passes_window)
     if paged is None:
@@ -314,7 +338,16 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     input_shape = hidden.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
     heads = _head_counts(type(qkv), qkv.sizes, module.head_dim) if hidden.dim() == 3 else None
-    if heads is None:
+    if norms is not None:  # the q / k heads [B, T, H, D] normed, then transposed, as the forward does
+        if heads is None:
+            q, k, v = [part.view(hidden_shape) for part in qkv.forward(hidden)]
+        else:
+            (proj,) = own_attributes(qkv, "_modules", _PROJ)
+            q, k, v = call_in(plain, proj, hidden).view(hidden_shape).split_with_sizes(heads, dim=-2)
+        query = call_in(plain, norms[0], q).transpose(1, 2)
+        key = call_in(plain, norms[1], k).transpose(1, 2)
+        value = v.transpose(1, 2)
+    elif heads is None:
         q, k, v = qkv.forward(hidden)  # what its q/k/v parts run
         query, key, value = [part.view(hidden_shape).transpose(1, 2) for part in (q, k, v)]
     else:  # the same three views, made from the merged output at once (3 ATen calls instead of 7)

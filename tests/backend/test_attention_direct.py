@@ -17,7 +17,7 @@ from hw_agnostic.layers.qkv import QKVProjection
 
 from .models import build, prompt
 
-RECOGNISED = ["llama", "mistral", "qwen2", "gemma", "gemma2", "granite"]
+RECOGNISED = ["llama", "mistral", "qwen2", "gemma", "gemma2", "granite", "qwen3"]
 
 
 def _paged(model):
@@ -88,6 +88,22 @@ def test_the_cache_holds_the_same_pages_after_either_path(family):
             assert torch.equal(got, want)
 
 
+def test_the_query_and_key_norms_are_called_as_modules_hooks_included():
+    """Qwen3's form: ``q_norm`` / ``k_norm`` of the heads, called as the forward calls them."""
+    model = _rewired("qwen3")
+    counts = _count_direct(model)
+    seen = []
+    module = _paged(model)[0]
+    module.q_norm.register_forward_hook(lambda norm, args, out: seen.append(("q", tuple(out.shape))))
+    module.k_norm.register_forward_hook(lambda norm, args, out: seen.append(("k", tuple(out.shape))))
+    with torch.no_grad():
+        model(prompt(batch=1, length=5))
+    heads, kv_heads, head_dim = (model.config.num_attention_heads, model.config.num_key_value_heads,
+                                 model.config.head_dim)
+    assert counts["taken"] == 2 and counts["declined"] == 0
+    assert seen == [("q", (1, 5, heads, head_dim)), ("k", (1, 5, kv_heads, head_dim))]
+
+
 def test_left_padded_generation_takes_it_and_matches_the_general_path():
     direct, general = _rewired("llama"), _without_direct(_rewired("llama"))
     counts = _count_direct(direct)
@@ -148,8 +164,8 @@ def test_a_merge_undone_by_verification_leaves_the_forward_to_run():
 
 
 def test_only_the_template_forward_is_recognised(tmp_path):
-    assert recognise(modeling_llama.LlamaAttention) is not None
-    assert recognise(Qwen3Attention) is None  # q_norm / k_norm between projection and rotary
+    assert not recognise(modeling_llama.LlamaAttention).qk_norms
+    assert recognise(Qwen3Attention).qk_norms  # q_norm / k_norm between projection and rotary
 
     namespace = dict(vars(modeling_llama))
     template = textwrap.dedent(_TEMPLATE)
@@ -157,11 +173,13 @@ def test_only_the_template_forward_is_recognised(tmp_path):
     extra_statement = template.replace("value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
                                        "value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2) * 2")
     sinks = template.replace("scaling=self.scaling,", "scaling=self.scaling, s_aux=self.sinks,")
+    q_norm_only = template.replace("query_states = self.q_proj(hidden_states).view(hidden_shape)",
+                                   "query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape))")
     window = template.replace("scaling=self.scaling,", "scaling=self.scaling, sliding_window=self.window,")
-    assert len({template, extra_statement, sinks, window}) == 4
+    assert len({template, extra_statement, sinks, window, q_norm_only}) == 5
     found = {}
     for name, source in (("template", template), ("scaled values", extra_statement), ("sinks", sinks),
-                         ("window", window)):
+                         ("window", window), ("q norm only", q_norm_only)):
         path = tmp_path / f"{name.replace(' ', '_')}.py"  # inspect.getsource reads the forward's file
         path.write_text(textwrap.dedent(source))
         code = compile(textwrap.dedent(source), str(path), "exec")
@@ -169,7 +187,7 @@ def test_only_the_template_forward_is_recognised(tmp_path):
         found[name] = recognise(type(name.title().replace(" ", ""), (modeling_llama.LlamaAttention,),
                                      {"forward": namespace["forward"]}))
     assert found["template"] is not None and not found["template"].forwarded
-    assert found["scaled values"] is None and found["sinks"] is None
+    assert found["scaled values"] is None and found["sinks"] is None and found["q norm only"] is None
     assert found["window"] is not None and [name for name, _ in found["window"].forwarded] == ["sliding_window"]
 
 

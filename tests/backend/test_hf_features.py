@@ -210,12 +210,17 @@ def test_a_model_pickled_here_loads_in_a_fresh_process(tmp_path):
 
 
 def test_threads_sharing_a_model_attend_over_their_own_caches(monkeypatch):
-    """One rewired model decoding in two threads (qwen3: its attention's forward runs, the binding
-    hands each step's paged batch to the attention function): a thread paused between its cache
-    write and its attention call, while the other runs a whole step, still attends over its own pages."""
+    """One rewired model decoding in two threads (its attention's own forward running, the direct path
+    off: the binding hands each step's paged batch to the attention function): a thread paused between
+    its cache write and its attention call, while the other runs a whole step, still attends over its
+    own pages."""
     from hw_agnostic.backend import attention
+    from hw_agnostic.layers.attention import _STATE, PagedAttention
 
     model, reference = _pair("qwen3")
+    for module in model.modules():
+        if isinstance(module, PagedAttention):
+            module.__dict__[_STATE].direct = None
     prompts = {"A": prompt(length=7, seed=1), "B": prompt(length=5, seed=2)}
     tokens = {"A": prompt(length=1, seed=3), "B": prompt(length=1, seed=4)}
     caches, want = {}, {}
