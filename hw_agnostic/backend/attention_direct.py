@@ -11,8 +11,9 @@ Qwen2, Gemma-2) share one attention forward, statement for statement:
 
 Qwen3 and its kin (Qwen3-MoE, Qwen3-VL, dots1, Mellum: 9 more classes) run the same forward with
 per-head norms of the queries and keys before the rotary embedding, ``self.q_norm(...)`` /
-``self.k_norm(...)`` of each part's ``[B, T, H, D]`` heads (:data:`_QK_NORM_TEMPLATE`); the direct
-path calls those two modules (their hooks too) on the same views.
+``self.k_norm(...)`` of each part's ``[B, T, H, D]`` heads; Gemma-3, Apertus, HY-V3 and T5Gemma-2's
+self-attention (5 more) norm the transposed heads in statements of their own (:data:`_QK_NORM_TEMPLATES`). The direct path
+calls those two modules (their hooks too) on the same views.
 
 A paged module (:class:`~hw_agnostic.layers.PagedAttention`) runs that forward with its cache bound
 to a paged view and its attention function dispatched by name: three projection-part calls, the
@@ -100,13 +101,22 @@ def forward(self, hidden_states, position_embeddings, attention_mask, cache, **k
 '''
 
 
-#: The template with per-head norms of the queries and keys before the rotary embedding (Qwen3 and
-#: its derivatives, dots1, Doge, ...): ``self.q_norm`` / ``self.k_norm`` of each part's heads.
-_QK_NORM_TEMPLATE = _TEMPLATE.replace(
-    "query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
-    "query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)").replace(
-    "key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
-    "key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)")
+#: The template with per-head norms of the queries and keys before the rotary embedding, by where
+#: they are applied: ``"heads"``, to each part's ``[B, T, H, D]`` heads before the transpose (Qwen3 and
+#: its derivatives, dots1, Mellum); ``"transposed"``, to the transposed ``[B, H, T, D]`` heads, as
+#: statements of their own (Gemma-3, Apertus, HY-V3).
+_QK_NORM_TEMPLATES = {
+    "heads": _TEMPLATE.replace(
+        "query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+        "query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)").replace(
+        "key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+        "key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)"),
+    "transposed": _TEMPLATE.replace(
+        "    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)\n",
+        "    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)\n"
+        "    query_states = self.q_norm(query_states)\n"
+        "    key_states = self.k_norm(key_states)\n"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +126,7 @@ class Recognised:
     code: types.CodeType
     forwarded: tuple[tuple[str, Callable[[nn.Module], Any]], ...]
     owner: type  # the class whose forward it is
-    qk_norms: bool = False  # the forward is :data:`_QK_NORM_TEMPLATE`'s
+    qk_norms: Optional[str] = None  # the form of :data:`_QK_NORM_TEMPLATES` the forward has (None: the template)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Recognised again where it is unpickled (code and the forwarded functions do not pickle)."""
@@ -171,7 +181,7 @@ def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.
     return dumps, unify.forwarded
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=4)
 def _template(source: str = _TEMPLATE) -> list[str]:
     parsed = _body(ast.parse(source).body[0])  # type: ignore[arg-type]
     assert parsed is not None
@@ -192,9 +202,11 @@ def recognise(cls: type) -> Optional[Recognised]:
     if not isinstance(function, ast.FunctionDef):
         return None
     parsed = _body(function)
-    if parsed is None or parsed[0] not in (_template(), _template(_QK_NORM_TEMPLATE)):
+    if parsed is None:
         return None
-    qk_norms = parsed[0] == _template(_QK_NORM_TEMPLATE)
+    qk_norms = next((form for form, source in _QK_NORM_TEMPLATES.items() if parsed[0] == _template(source)), None)
+    if qk_norms is None and parsed[0] != _template():
+        return None
     local = {a.arg for a in function.args.args} | {function.args.kwarg.arg} | {
         n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     forwarded = []
@@ -338,7 +350,7 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     input_shape = hidden.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
     heads = _head_counts(type(qkv), qkv.sizes, module.head_dim) if hidden.dim() == 3 else None
-    if norms is not None:  # the q / k heads [B, T, H, D] normed, then transposed, as the forward does
+    if recognised.qk_norms == "heads":  # the q / k heads [B, T, H, D] normed, then transposed, as the forward does
         if heads is None:
             q, k, v = [part.view(hidden_shape) for part in qkv.forward(hidden)]
         else:
@@ -354,6 +366,8 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
         (proj,) = own_attributes(qkv, "_modules", _PROJ)
         merged = call_in(plain, proj, hidden)
         query, key, value = merged.view(hidden_shape).transpose(1, 2).split_with_sizes(heads, dim=1)
+    if recognised.qk_norms == "transposed":
+        query, key = call_in(plain, norms[0], query), call_in(plain, norms[1], key)
     cos, sin = rotary
     rotate, mask = namespace["apply_rotary_pos_emb"], arguments.get("attention_mask")
     if _rotates_in_the_write(rotate, query, key, value, cos, sin, paged):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 from transformers.models.llama import modeling_llama
+from transformers.models.gemma3.modeling_gemma3 import Gemma3Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from hw_agnostic import rewire
@@ -17,7 +18,7 @@ from hw_agnostic.layers.qkv import QKVProjection
 
 from .models import build, prompt
 
-RECOGNISED = ["llama", "mistral", "qwen2", "gemma", "gemma2", "granite", "qwen3"]
+RECOGNISED = ["llama", "mistral", "qwen2", "gemma", "gemma2", "granite", "qwen3", "gemma3_text"]
 
 
 def _paged(model):
@@ -88,9 +89,11 @@ def test_the_cache_holds_the_same_pages_after_either_path(family):
             assert torch.equal(got, want)
 
 
-def test_the_query_and_key_norms_are_called_as_modules_hooks_included():
-    """Qwen3's form: ``q_norm`` / ``k_norm`` of the heads, called as the forward calls them."""
-    model = _rewired("qwen3")
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_the_query_and_key_norms_are_called_as_modules_hooks_included(family):
+    """``q_norm`` / ``k_norm`` of the heads, called as the forward calls them: on each part's
+    ``[B, T, H, D]`` heads (Qwen3), on the transposed ``[B, H, T, D]`` ones (Gemma-3)."""
+    model = _rewired(family)
     counts = _count_direct(model)
     seen = []
     module = _paged(model)[0]
@@ -100,8 +103,11 @@ def test_the_query_and_key_norms_are_called_as_modules_hooks_included():
         model(prompt(batch=1, length=5))
     heads, kv_heads, head_dim = (model.config.num_attention_heads, model.config.num_key_value_heads,
                                  model.config.head_dim)
-    assert counts["taken"] == 2 and counts["declined"] == 0
-    assert seen == [("q", (1, 5, heads, head_dim)), ("k", (1, 5, kv_heads, head_dim))]
+    assert counts["taken"] == len(_paged(model)) and counts["declined"] == 0
+    if family == "qwen3":
+        assert seen == [("q", (1, 5, heads, head_dim)), ("k", (1, 5, kv_heads, head_dim))]
+    else:
+        assert seen == [("q", (1, heads, 5, head_dim)), ("k", (1, kv_heads, 5, head_dim))]
 
 
 def test_left_padded_generation_takes_it_and_matches_the_general_path():
@@ -164,8 +170,9 @@ def test_a_merge_undone_by_verification_leaves_the_forward_to_run():
 
 
 def test_only_the_template_forward_is_recognised(tmp_path):
-    assert not recognise(modeling_llama.LlamaAttention).qk_norms
-    assert recognise(Qwen3Attention).qk_norms  # q_norm / k_norm between projection and rotary
+    assert recognise(modeling_llama.LlamaAttention).qk_norms is None
+    assert recognise(Qwen3Attention).qk_norms == "heads"  # q_norm / k_norm of each part's heads
+    assert recognise(Gemma3Attention).qk_norms == "transposed"  # ... of the transposed heads
 
     namespace = dict(vars(modeling_llama))
     template = textwrap.dedent(_TEMPLATE)

@@ -158,7 +158,7 @@ def test_torch_compile_fullgraph_of_a_rewired_model(family):
     assert _relative(got, want) <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2"])  # olmo2: its attention's own forward runs
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "olmo2"])  # olmo2: its own forward runs
 def test_torch_compile_fullgraph_of_a_rewired_decode_step(family):
     """Decode steps over a paged cache trace as one graph: the cache's host bookkeeping (lengths
     seen, the metadata its layers share) is plain Python state that dynamo follows, also in the
