@@ -66,12 +66,8 @@ def _token_rows(x: Tensor) -> Tensor:
 
 def rotary_write_kv_cache_reference(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
                                     v_cache: Tensor, slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
-    q_rotated, k_rotated = rotary_embedding_reference(q, k, cos, sin)
-    q_embed, k_embed = _tokens_major(q, q_rotated.dtype), _tokens_major(k, k_rotated.dtype)
-    q_embed.copy_(q_rotated)
-    k_embed.copy_(k_rotated)
-    write_kv_cache_reference(_token_rows(k_embed), _token_rows(v), k_cache, v_cache, slot_mapping)
-    return q_embed, k_embed
+    return _two_steps(rotary_embedding_reference, write_kv_cache_reference, q, k, v, cos, sin, k_cache, v_cache,
+                      slot_mapping)
 
 
 def _rotary_write_kv_cache_shapes(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
@@ -80,13 +76,15 @@ def _rotary_write_kv_cache_shapes(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, 
     return _tokens_major(q, dtype), _tokens_major(k, dtype)
 
 
-def _two_steps(rotate: Callable[..., tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor, cos: Tensor,
-               sin: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
-    """``rotate`` (``rotary_embedding`` as it runs here), then ``write_kv_cache``'s eager write (its
-    checks in one host read of the slots, the writes as ``index_copy_``)."""
+def _two_steps(rotate: Callable[..., tuple[Tensor, Tensor]], write: Callable[..., None], q: Tensor, k: Tensor,
+               v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+               slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
+    """``rotate(q, k, cos, sin)``, its results laid out tokens-major, then ``write`` of the rotated keys
+    and ``v``, one row per token: the spec with the two specs, the reference provider's form with the
+    two ops as they run here."""
     q_rotated, k_rotated = rotate(q, k, cos, sin)
     q_embed, k_embed = _as_tokens_major(q_rotated), _as_tokens_major(k_rotated)
-    _EAGER_WRITE(_token_rows(k_embed), _token_rows(v), k_cache, v_cache, slot_mapping)
+    write(_token_rows(k_embed), _token_rows(v), k_cache, v_cache, slot_mapping)
     return q_embed, k_embed
 
 
@@ -97,12 +95,12 @@ class _TwoOps:
     dispatch (the signature fixes its plan; forcing a provider or a config resets both ops)."""
 
     def __call__(self, *args: Tensor) -> tuple[Tensor, Tensor]:
-        return _two_steps(rotary_embedding_op.call, *args)
+        return _two_steps(rotary_embedding_op.call, _EAGER_WRITE, *args)
 
     def bind(self, args: tuple) -> Callable[..., tuple[Tensor, Tensor]]:
         q, k, _, cos, sin = args[:5]
         rotation = (q, k, cos, sin)
-        return functools.partial(_two_steps, rotary_embedding_op.plan(*rotation).bound(rotation))
+        return functools.partial(_two_steps, rotary_embedding_op.plan(*rotation).bound(rotation), _EAGER_WRITE)
 
 
 _TWO_OPS = _TwoOps()
