@@ -382,16 +382,19 @@ class PagedCacheLayer(_cache_layer_base()):  # type: ignore[misc]
     def append(self, key_states: Tensor, value_states: Tensor, real: Optional[Tensor],
                rotary: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> PagedBatch:
         """``key_states`` / ``value_states`` in transformers' layout ``[B, Hkv, q, D]``; with ``rotary``
-        (``(query, cos, sin)``), the query and keys rotated by the write (see :meth:`PagedKVCache.append`)."""
+        (``(query, cos, sin)``), the query and keys rotated by the write (see :meth:`PagedKVCache.append_rotating`)."""
         batch_size, heads, _, head_dim = key_states.shape
         key_states, value_states = _as_stored(key_states, value_states, self.store)
         if self.store is None:
             self.store = PagedKVCache(batch_size, heads, head_dim, block_size=self.block_size,
                                       dtype=key_states.dtype, device=key_states.device, share=self.share,
                                       capacity=self.capacity)
-        batch = self.store.append(key_states.transpose(1, 2), value_states.transpose(1, 2), real, rotary)
         if rotary is None:
+            batch = self.store.append(key_states.transpose(1, 2), value_states.transpose(1, 2), real)
             batch.key_states = key_states
+        else:
+            query, cos, sin = rotary
+            batch = self.store.append_rotating(query, key_states, value_states, cos, sin, real)
         batch.value_states = value_states
         return batch
 

@@ -221,20 +221,28 @@ class PagedKVCache:
         self.block_table, self._row_start = self.share.once(
             ("layout", batch_size, blocks_per_row, block_size, device), layout)
 
-    def append(self, key: Tensor, value: Tensor, real: Optional[Tensor] = None,
-               rotary: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> PagedBatch:
+    def append(self, key: Tensor, value: Tensor, real: Optional[Tensor] = None) -> PagedBatch:
         """Write one step's ``key`` / ``value`` ``[B, q, Hkv, D]`` and return the batch to attend.
 
-        ``real`` (``[B, q]`` bool, optional) marks the tokens that are not padding. With ``rotary``,
-        ``(query [B, Hq, q, D], cos, sin)``, the query and ``key`` are rotated first, in the same
-        launch as the write (``rotary_write_kv_cache``): the batch's ``query_states`` and
-        ``key_states`` hold them rotated, in Hugging Face's layout.
+        ``real`` (``[B, q]`` bool, optional) marks the tokens that are not padding.
         """
-        batch_size, q_len = key.shape[0], key.shape[1]
+        return self._append(key, value, real, None, key.shape[1])
+
+    def append_rotating(self, query: Tensor, key: Tensor, value: Tensor, cos: Tensor, sin: Tensor,
+                        real: Optional[Tensor] = None) -> PagedBatch:
+        """:meth:`append` of a step whose ``query`` and ``key`` are rotated first, in the same launch as
+        the write (``rotary_write_kv_cache``); all three in Hugging Face's layout ``[B, H, q, D]``, as the
+        batch's ``query_states`` and ``key_states`` hold them rotated."""
+        return self._append(key, value, real, (query, cos, sin), key.shape[2])
+
+    def _append(self, key: Tensor, value: Tensor, real: Optional[Tensor],
+                rotary: Optional[tuple[Tensor, Tensor, Tensor]], q_len: int) -> PagedBatch:
+        """:meth:`append` (``key`` / ``value`` ``[B, q, Hkv, D]``) or, with ``rotary``, :meth:`append_rotating`."""
+        batch_size = key.shape[0]
         if batch_size != self.batch_size:
             raise ValueError(f"PagedKVCache: a step of {batch_size} rows for a cache of {self.batch_size}")
         if self.static:
-            return self._append_static(key, value, real, rotary)
+            return self._append_static(key, value, real, rotary, q_len)
         self._reserve(self.seen + q_len)
         assert self._row_start is not None and self.block_table is not None
         step = self.share.once(
@@ -248,27 +256,27 @@ class PagedKVCache:
 
     def _write(self, key: Tensor, value: Tensor, slots: Tensor,
                rotary: Optional[tuple[Tensor, Tensor, Tensor]]) -> tuple[Optional[Tensor], Optional[Tensor]]:
-        """Write ``key`` / ``value`` ``[B, q, Hkv, D]`` into their ``slots`` (rotating ``rotary``'s query and
-        the keys first, see :meth:`append`); returns the rotated query and keys (None without ``rotary``)."""
+        """Write ``key`` / ``value`` ``[B, q, Hkv, D]`` into their ``slots``; with ``rotary``, ``[B, Hkv, q, D]``
+        rotating ``rotary``'s query and the keys first (see :meth:`append_rotating`); returns the rotated
+        query and keys (None without ``rotary``)."""
         if rotary is None:
             tokens = key.shape[0] * key.shape[1]
             write_kv_cache(key.reshape(tokens, self.num_kv_heads, self.head_dim),
                            value.reshape(tokens, self.num_kv_heads, self.head_dim), self.k_pages, self.v_pages, slots)
             return None, None
         query, cos, sin = rotary
-        return rotary_write_kv_cache(query, key.transpose(1, 2), value.transpose(1, 2), cos, sin, self.k_pages,
-                                     self.v_pages, slots)
+        return rotary_write_kv_cache(query, key, value, cos, sin, self.k_pages, self.v_pages, slots)
 
     def _append_static(self, key: Tensor, value: Tensor, real: Optional[Tensor],
-                       rotary: Optional[tuple[Tensor, Tensor, Tensor]]) -> PagedBatch:
-        """:meth:`append` on a static store: the step's metadata computed from the device counters,
+                       rotary: Optional[tuple[Tensor, Tensor, Tensor]], q_len: int) -> PagedBatch:
+        """:meth:`_append` on a static store: the step's metadata computed from the device counters,
         which are then advanced in place.
 
         A compiled or captured step reads no host state. An eager one (a prefill, a step outside a
         graph) checks the capacity and shares the step's layout with the other layers by the
         positions seen as eager code has kept them (:meth:`host_seen`: read from the device once
         after graphed steps)."""
-        batch_size, q_len = key.shape[0], key.shape[1]
+        batch_size = key.shape[0]
         assert self._row_start is not None and self.block_table is not None and self.real is not None
         on_device = self.on_device_only()
         if on_device:
