@@ -322,9 +322,12 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     if (state.unservable is not None or not isinstance(hidden, Tensor) or not isinstance(rotary, (tuple, list))
             or len(rotary) != 2 or module.needs_fallback(hidden) or not no_global_hooks()):
         return NotImplemented
-    for name in _PASSED_ON:  # loops, not generators (about 1 µs less), which Dynamo traces too
-        if name in arguments:
+    kwargs = {}  # what the forward passes on as ``**kwargs``; one it would pass to the attention function refuses
+    for name, given in arguments.items():  # a loop, not generators (about 1 µs less), which Dynamo traces too
+        if name in _PASSED_ON:
             return NotImplemented
+        if name not in _NOT_PASSED_ON:
+            kwargs[name] = given
     cache = None
     for name in state.cache_names:
         cache = arguments.get(name)
@@ -377,7 +380,6 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
         query, key = rotate(query, key, cos, sin)
         batch = store_step(state, paged, key, value, mask)
     state.kv = paged.store
-    kwargs = {name: value for name, value in arguments.items() if name not in _NOT_PASSED_ON}
     for name, value_of in recognised.forwarded:
         kwargs[name] = value_of(module)
     out, weights = attend_paged(module, state, batch, query, key, value, mask, module.scaling, 0.0, kwargs)
