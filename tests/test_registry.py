@@ -96,6 +96,38 @@ def test_the_eager_entry_names_a_missing_argument_and_leaves_fake_and_grad_calls
     assert type(fake).__name__ == "FakeTensor" and fake.shape == x.shape
 
 
+def test_a_remembered_signature_is_taken_only_by_calls_alike_in_every_respect_the_signature_holds():
+    """A repeated signature is checked by tensor guards (``ops.call_signature``): a call that differs
+    from it in a tensor's shape, strides or dtype, in an argument's value or type, or in which optional
+    tensor is None, is checked and keyed as a new signature (``_checked`` grows by one)."""
+    from hw_agnostic.ops import call_signature
+
+    assert call_signature._GUARDS is not None  # this torch's guards tell signatures apart: the path is tested
+    op = ops.get_op("rms_norm")
+    op.reset()
+    x, w = torch.randn(4, 16), torch.randn(16)
+    for _ in range(3):
+        ops.rms_norm(x, w)
+    assert len(op._checked) == 1 and len(op._recent) == 1
+    variants = {
+        "strides": lambda: ops.rms_norm(x.t().contiguous().t(), w),
+        "shape": lambda: ops.rms_norm(torch.randn(5, 16), w),
+        "dtype": lambda: ops.rms_norm(x.double(), w),
+        "eps value": lambda: ops.rms_norm(x, w, 1e-5),
+        "eps type": lambda: ops.rms_norm(x, w, 1),
+        "numerics": lambda: ops.rms_norm(x, w, numerics="gemma"),
+        "no weight": lambda: ops.rms_norm(x, None),
+    }
+    for name, call in variants.items():
+        seen = len(op._checked)
+        for _ in range(2):  # the second call is remembered; the next variant must not take it
+            call()
+        assert len(op._checked) == seen + 1, name
+    seen = len(op._checked)
+    torch.testing.assert_close(ops.rms_norm(x, w), op.reference(x, w, 1e-6, "llama"))
+    assert len(op._checked) == seen
+
+
 def test_trace_dispatch_records_in_call_order():
     x = torch.randn(2, 16)
     with ops.trace_dispatch() as ran:

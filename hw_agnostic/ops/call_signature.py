@@ -11,6 +11,15 @@ So each op gets the two as functions written for its reference's parameters, com
 flat tuple, no loop, no ``isinstance`` where the annotation says ``Tensor``. A call that does not
 fit (a non-tensor where a tensor belongs, an unhashable value) raises ``TypeError`` or
 ``AttributeError``, and the caller takes its slow path, where ``check`` names the bad argument.
+
+A signature that repeats (every layer of a decode step calls an op alike) is then checked in C:
+the op keeps its last few as Dynamo's own tensor guards (``TensorGuards``: Python type, dtype,
+device, sizes, strides, ``requires_grad`` and dispatch keys of each tensor, one call for all of
+them) beside the values of its other arguments, and a call they match takes that signature's
+verdict without building it (a paged-attention call with six tensors: 7.7 against 10.3 µs in a
+loop; about 11 µs of a decode-host layer, alternating in one process). Where this torch
+has no such guards, or they do not tell apart what the signature does (checked once, on import),
+every call builds its signature.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from __future__ import annotations
 import inspect
 import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -80,6 +89,53 @@ def requires_grad_function(reference: Callable[..., Any]) -> Callable[..., bool]
     return _compile("any_requires_grad", parameters, f"bool({tests})")
 
 
+#: repeated signatures an op keeps as tensor guards (see the module docstring), the latest first
+RECENT_SIGNATURES = 4
+
+
+def _tensor_guards() -> Optional[Callable[..., Any]]:
+    """``guards(*tensors)``: a C check that tensors have these tensors' metadata (``guards(...).check(*t)``),
+    or None where torch has none that tells apart what a call signature does."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        def guards(*tensors: torch.Tensor) -> Any:
+            return TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                                dynamic_dims_strides=[list(t.stride()) for t in tensors])
+
+        seen = torch.zeros(2, 3)
+        check = guards(seen).check
+        alike = check(torch.ones(2, 3))
+        differing = (seen.t().contiguous().t(), seen.double(), seen[:1], seen.view(3, 2), seen.view(1, 2, 3),
+                     torch.zeros(2, 3, requires_grad=True), torch.zeros(2, 3, device="meta"), torch.zeros(2, 6)[:, ::2])
+        if alike and not any(check(other) for other in differing) and not check(None):
+            return guards
+    except Exception:  # another torch: its guards' API or semantics differ; signatures are built instead
+        pass
+    return None
+
+
+_GUARDS = _tensor_guards()
+#: stands for an optional tensor passed as None in the guards (whether it was None is checked apart)
+_ABSENT = torch.empty(())
+
+
+def _remembering(recent: list[Any]) -> Optional[Callable[..., None]]:
+    """``remember(others, entry, *tensors)``: keep a repeated signature's verdict ``entry`` as the guards
+    of its ``tensors`` and the values of its ``others`` in ``recent`` (None without guards)."""
+    if _GUARDS is None:
+        return None
+    guards = _GUARDS
+
+    def remember(others: tuple[Any, ...], entry: Any, *tensors: torch.Tensor) -> None:
+        if any(isinstance(value, torch.Tensor) for value in others):  # a tensor where a value belongs
+            return
+        recent.insert(0, (guards(*tensors).check, others, entry))
+        del recent[RECENT_SIGNATURES:]
+
+    return remember
+
+
 _NAMES_THE_CALL_USES = frozenset({"Tensor", "type", "isinstance", "bool"})
 
 
@@ -103,7 +159,16 @@ def call_function(op: Any, reference: Callable[..., Any], mutated: tuple[str, ..
     arguments = ", ".join(names)
     metadata = ", ".join(_metadata(name, kind) for name, kind in zip(names, kinds))
     requires_grad = " or ".join(_requires_grad(name, kind) for name, kind in zip(names, kinds)) or "False"
-    placement = f"        _signature = (_signature, _placement({arguments}))\n" if mutated else ""
+    # what the guards check (the tensors, an absent optional one standing as _ABSENT) and what is
+    # compared apart (the other arguments' types and values, which optional tensors are None, and
+    # for an in-place op where its tensors lie, last)
+    guarded = ", ".join(name if kind == _TENSOR else f"(_ABSENT if {name} is None else {name})"
+                        for name, kind in zip(names, kinds) if kind != _OTHER)
+    others = [f"type({name}), {name}" if kind == _OTHER else f"{name} is None"
+              for name, kind in zip(names, kinds) if kind != _TENSOR]
+    if mutated:
+        others.append(f"_placement({arguments})")
+    placement = "            _signature = (_signature, _others[-1])\n" if mutated else ""
     written = ", ".join(mutated)
     finish = (f"    _result = _run({arguments})\n    _increment_version(({written},))\n    return _result\n"
               if mutated else f"    return _run({arguments})\n")
@@ -113,9 +178,17 @@ def call_function(op: Any, reference: Callable[..., Any], mutated: tuple[str, ..
         f"        if (_is_compiling() or _is_fx_tracing() or isinstance({names[0]}, _FakeTensor)\n"
         f"                or _grad_enabled() and ({requires_grad})):\n"
         f"            return _general({arguments})\n"
-        f"        _signature = ({metadata},)\n"
+        f"        _others = ({''.join(part + ', ' for part in others)})\n"
+        "        for _check, _seen, _found in _recent:\n"
+        f"            if _seen == _others and _check({guarded}):\n"
+        "                _entry = _found\n"
+        "                break\n"
+        "        else:\n"
+        f"            _signature = ({metadata},)\n"
         f"{placement}"
-        "        _entry = _checked.get(_signature)\n"
+        "            _entry = _checked.get(_signature)\n"
+        "            if _entry is not None and _remember is not None:\n"
+        f"                _remember(_others, _entry, {guarded})\n"
         "    except (TypeError, AttributeError, RuntimeError, NotImplementedError):\n"
         f"        return _general({arguments})\n"
         "    if _entry is None:\n"
@@ -134,7 +207,8 @@ def call_function(op: Any, reference: Callable[..., Any], mutated: tuple[str, ..
         "Tensor": torch.Tensor, "_FakeTensor": FakeTensor, "_is_compiling": torch.compiler.is_compiling,
         "_is_fx_tracing": is_fx_symbolic_tracing, "_grad_enabled": torch.is_grad_enabled, "_tracers": tracers,
         "_general": general, "_dispatch": op.dispatch, "_checked": op._checked, "_placement": op._placement,
-        "_increment_version": torch.autograd.graph.increment_version,
+        "_increment_version": torch.autograd.graph.increment_version, "_recent": op._recent,
+        "_remember": _remembering(op._recent), "_ABSENT": _ABSENT,
     }
     exec(compile(source, f"<{op.name} call>", "exec"), namespace)  # noqa: S102 - source built from parameter kinds only
     return namespace["call"]

@@ -221,6 +221,8 @@ class Op:
         self._plans: dict[Any, Plan] = {}
         # call signature -> (plan, what runs it), see dispatch
         self._checked: dict[tuple[Any, ...], tuple[Plan, Callable[..., Any]]] = {}
+        # the last repeated signatures as guards: (check, other arguments, entry), see call_signature
+        self._recent: list[tuple[Callable[..., bool], tuple[Any, ...], tuple[Plan, Callable[..., Any]]]] = []
         # Plans of calls made inside another op under that op's forcing (see run_inside).
         self._inherited_plans: dict[tuple[str, Any], Plan] = {}
         # An eager call in one frame (the public functions call it): see call_signature.call_function.
@@ -349,6 +351,7 @@ class Op:
                 run = plan.bound(args)
                 if len(self._checked) >= CHECKED_SIGNATURES:
                     self._checked.clear()
+                    self._recent.clear()
                 self._checked[signature] = (plan, run)
         else:
             plan, run = checked
@@ -406,6 +409,7 @@ class Op:
     def reset(self) -> None:
         self._plans.clear()
         self._checked.clear()
+        self._recent.clear()
         self._inherited_plans.clear()
 
     def _make_plan(self, key: Any, args: tuple[Any, ...], inherited: tuple[str, str] | None = None) -> Plan:
