@@ -128,6 +128,30 @@ def test_a_remembered_signature_is_taken_only_by_calls_alike_in_every_respect_th
     assert len(op._checked) == seen
 
 
+def test_without_tensor_guards_every_call_builds_its_signature(monkeypatch):
+    """Where torch has no usable guards, the generated call is the plain signature lookup: it keeps
+    nothing in ``_recent`` and an in-place call's placement still refuses shared memory."""
+    from hw_agnostic.ops import call_signature
+
+    monkeypatch.setattr(call_signature, "_GUARDS", None)
+    op = ops.get_op("fused_add_rms_norm_")
+    op.reset()
+    call = call_signature.call_function(op, op.reference, op.mutates_args, [], op._call_general)
+    x, residual, weight = torch.randn(2, 8), torch.randn(2, 8), torch.randn(8)
+    want_x, want_residual = x.clone(), residual.clone()
+    normed, summed = ops.get_op("fused_add_rms_norm").reference(want_x, want_residual, weight, 1e-6, "llama")
+    call(x, residual, weight, 1e-6, "llama")
+    torch.testing.assert_close((x, residual), (normed, summed))
+    for _ in range(2):
+        call(torch.randn(2, 8), torch.randn(2, 8), weight, 1e-6, "llama")
+    assert op._recent == [] and len(op._checked) == 1
+    for _ in range(2):  # the same views of two buffers, then of one: a signature seen, its placement not
+        call(torch.zeros(3, 8)[:, :5], torch.zeros(3, 8)[:, 3:], weight[:5], 1e-6, "llama")
+    shared = torch.zeros(3, 8)
+    with pytest.raises(ValueError, match="share memory"):
+        call(shared[:, :5], shared[:, 3:], weight[:5], 1e-6, "llama")
+
+
 def test_trace_dispatch_records_in_call_order():
     x = torch.randn(2, 16)
     with ops.trace_dispatch() as ran:

@@ -159,16 +159,34 @@ def call_function(op: Any, reference: Callable[..., Any], mutated: tuple[str, ..
     arguments = ", ".join(names)
     metadata = ", ".join(_metadata(name, kind) for name, kind in zip(names, kinds))
     requires_grad = " or ".join(_requires_grad(name, kind) for name, kind in zip(names, kinds)) or "False"
-    # what the guards check (the tensors, an absent optional one standing as _ABSENT) and what is
-    # compared apart (the other arguments' types and values, which optional tensors are None, and
-    # for an in-place op where its tensors lie, last)
-    guarded = ", ".join(name if kind == _TENSOR else f"(_ABSENT if {name} is None else {name})"
-                        for name, kind in zip(names, kinds) if kind != _OTHER)
-    others = [f"type({name}), {name}" if kind == _OTHER else f"{name} is None"
-              for name, kind in zip(names, kinds) if kind != _TENSOR]
-    if mutated:
-        others.append(f"_placement({arguments})")
-    placement = "            _signature = (_signature, _others[-1])\n" if mutated else ""
+    remember = _remembering(op._recent)
+    if remember is None:  # no guards here: the signature, built and looked up on every call
+        placement = f"        _signature = (_signature, _placement({arguments}))\n" if mutated else ""
+        lookup = f"        _signature = ({metadata},)\n{placement}        _entry = _checked.get(_signature)\n"
+    else:
+        # what the guards check (the tensors, an absent optional one standing as _ABSENT) and what is
+        # compared apart (the other arguments' types and values, which optional tensors are None, and
+        # for an in-place op where its tensors lie, last)
+        guarded = ", ".join(name if kind == _TENSOR else f"(_ABSENT if {name} is None else {name})"
+                            for name, kind in zip(names, kinds) if kind != _OTHER)
+        others = [f"type({name}), {name}" if kind == _OTHER else f"{name} is None"
+                  for name, kind in zip(names, kinds) if kind != _TENSOR]
+        if mutated:
+            others.append(f"_placement({arguments})")
+        placement = "            _signature = (_signature, _others[-1])\n" if mutated else ""
+        lookup = (
+            f"        _others = ({''.join(part + ', ' for part in others)})\n"
+            "        for _check, _seen, _found in _recent:\n"
+            f"            if _seen == _others and _check({guarded}):\n"
+            "                _entry = _found\n"
+            "                break\n"
+            "        else:\n"
+            f"            _signature = ({metadata},)\n"
+            f"{placement}"
+            "            _entry = _checked.get(_signature)\n"
+            "            if _entry is not None:\n"
+            f"                _remember(_others, _entry, {guarded})\n"
+        )
     written = ", ".join(mutated)
     finish = (f"    _result = _run({arguments})\n    _increment_version(({written},))\n    return _result\n"
               if mutated else f"    return _run({arguments})\n")
@@ -178,17 +196,7 @@ def call_function(op: Any, reference: Callable[..., Any], mutated: tuple[str, ..
         f"        if (_is_compiling() or _is_fx_tracing() or isinstance({names[0]}, _FakeTensor)\n"
         f"                or _grad_enabled() and ({requires_grad})):\n"
         f"            return _general({arguments})\n"
-        f"        _others = ({''.join(part + ', ' for part in others)})\n"
-        "        for _check, _seen, _found in _recent:\n"
-        f"            if _seen == _others and _check({guarded}):\n"
-        "                _entry = _found\n"
-        "                break\n"
-        "        else:\n"
-        f"            _signature = ({metadata},)\n"
-        f"{placement}"
-        "            _entry = _checked.get(_signature)\n"
-        "            if _entry is not None and _remember is not None:\n"
-        f"                _remember(_others, _entry, {guarded})\n"
+        f"{lookup}"
         "    except (TypeError, AttributeError, RuntimeError, NotImplementedError):\n"
         f"        return _general({arguments})\n"
         "    if _entry is None:\n"
@@ -208,7 +216,7 @@ def call_function(op: Any, reference: Callable[..., Any], mutated: tuple[str, ..
         "_is_fx_tracing": is_fx_symbolic_tracing, "_grad_enabled": torch.is_grad_enabled, "_tracers": tracers,
         "_general": general, "_dispatch": op.dispatch, "_checked": op._checked, "_placement": op._placement,
         "_increment_version": torch.autograd.graph.increment_version, "_recent": op._recent,
-        "_remember": _remembering(op._recent), "_ABSENT": _ABSENT,
+        "_remember": remember, "_ABSENT": _ABSENT,
     }
     exec(compile(source, f"<{op.name} call>", "exec"), namespace)  # noqa: S102 - source built from parameter kinds only
     return namespace["call"]
