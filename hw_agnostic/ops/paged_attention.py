@@ -46,7 +46,10 @@ kernel and the split-KV (flash-decoding) kernel (see
 :func:`hw_agnostic.kernels.paged_attention.choose_num_splits`); a batch of single-query sequences
 is a decode batch. A hint smaller than the truth is an error of the caller (queries or keys past
 it are not computed: on the kernel path the output is allocated unfilled, so the rows of queries
-past ``max_q_len`` hold whatever the memory held); a larger one only costs time.
+past ``max_q_len`` hold whatever the memory held); a larger one only costs time. The public
+function raises a valid ``max_kv_len`` to the largest hint it launches alike with
+(:func:`widest_alike_kv_len`), so that a decode step's calls, whose hint grows by one a step, keep
+one call signature for many steps.
 """
 
 from __future__ import annotations
@@ -650,6 +653,36 @@ def paged_attention_key(
     )
 
 
+def widest_alike_kv_len(max_kv_len: int, k_cache: Any, block_table: Any) -> int:
+    """The largest ``max_kv_len`` hint the op treats as ``max_kv_len``: the same key, the same split
+    count, and the same verdict of the check (at most the block table's capacity); ``max_kv_len``
+    itself where that holds for no larger one, or the hint is not a valid one.
+
+    The hint reaches the launches only through its power-of-two bucket (the key's ``kv_len``),
+    ``ceil(max_kv_len / MIN_TOKENS_PER_SPLIT)`` and whether it is below twice that
+    (:func:`~hw_agnostic.kernels.paged_attention.choose_num_splits`). A decode step's hint grows by
+    one every step, and each new value was a new call signature: the first layer of every step paid
+    the whole dispatch (check, key, plan lookup, a new binding whose first call runs Helion's host
+    code: 63 µs against 8 for a repeated call on the decode-host model) and the second one new guards
+    (18 µs). Raised to this bound, the signature changes at the bucket's powers of two up to
+    ``MIN_TOKENS_PER_SPLIT``, then once every ``MIN_TOKENS_PER_SPLIT`` tokens, and every launch stays
+    what the exact hint gives."""
+    try:
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    except (AttributeError, IndexError, TypeError):  # arguments the check will name
+        return max_kv_len
+    if not 0 < max_kv_len <= capacity:
+        return max_kv_len
+    split = kernels.MIN_TOKENS_PER_SPLIT
+    widest = split * -(-max_kv_len // split)  # the same count of split-sized pieces
+    if max_kv_len < 2 * split:  # too short to split at all
+        widest = min(widest, 2 * split - 1)
+    bucket = token_bucket(max_kv_len)
+    if bucket >= max_kv_len:  # below the largest bucket: the same bucket
+        widest = min(widest, bucket)
+    return min(widest, capacity)
+
+
 # --------------------------------------------------------------------------------------------
 # the Helion provider
 
@@ -960,6 +993,8 @@ def paged_attention(
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5 if isinstance(q, Tensor) and q.dim() == 3 else 1.0
+    if type(max_kv_len) is int:
+        max_kv_len = widest_alike_kv_len(max_kv_len, k_cache, block_table)
     return paged_attention_op.call(
         q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, scale, sliding_window, softcap, sinks,
         max_q_len, max_kv_len,

@@ -11,7 +11,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hw_agnostic import ops
-from hw_agnostic.ops.paged_attention import example_paged_batch, paged_attention, paged_attention_op
+from hw_agnostic.autotune.keys import token_bucket
+from hw_agnostic.kernels import paged_attention as kernels
+from hw_agnostic.ops.paged_attention import (
+    example_paged_batch, paged_attention, paged_attention_op, widest_alike_kv_len,
+)
 from hw_agnostic.ops.write_kv_cache import write_kv_cache, write_kv_cache_op
 from hw_agnostic.tolerances import assert_close
 from tests.harness import Case, check_provider, dsl_providers, fuzz_examples, seeded_generator
@@ -565,6 +569,82 @@ def test_auto_splits_are_chosen_per_call_from_the_context(device):
             assert plan.run.num_splits == want_splits
             assert_close(got, op.reference(*args).double(), torch.float32)
     assert launches[0] is launches[1]  # one plan served both calls
+
+
+
+@pytest.mark.dsl
+def test_the_widest_alike_hint_launches_what_the_exact_hint_does_dsl(device):
+    """The public function's raised hint (here to the block table's capacity): the same splits, the same bits."""
+    op = paged_attention_op
+    with ops.use_provider(dsl_providers(op)[0], op):
+        for kv_len, want_splits in ((1100, 3), (700, 1)):
+            batch = example_paged_batch([1], [kv_len], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
+                                        dtype=torch.float32, device=device)
+            assert widest_alike_kv_len(kv_len, batch[1], batch[3]) > kv_len
+            exact = op(*batch, 0.25, None, None, None, 1, kv_len)
+            (plan,) = [p for p in op.plans() if p.calls]
+            assert plan.run.num_splits == want_splits
+            widest = paged_attention(*batch, scale=0.25, max_q_len=1, max_kv_len=kv_len)
+            assert plan.run.num_splits == want_splits
+            assert torch.equal(widest, exact)
+            op.reset()
+
+@settings(max_examples=300, deadline=None)
+@given(max_kv_len=st.integers(1, 1 << 17), columns=st.integers(1, 1 << 13), block_size=st.sampled_from([1, 16, 64]),
+       num_seqs=st.integers(1, 64), num_kv_heads=st.sampled_from([1, 2, 8]), programs=st.sampled_from([16, 132, 264]))
+@example(max_kv_len=1000, columns=64, block_size=16, num_seqs=1, num_kv_heads=8, programs=264)  # below two splits
+@example(max_kv_len=5000, columns=313, block_size=16, num_seqs=1, num_kv_heads=8, programs=264)  # past the capacity
+def test_a_valid_hint_is_raised_to_the_widest_that_launches_alike(max_kv_len, columns, block_size, num_seqs,
+                                                                  num_kv_heads, programs):
+    """The wider hint keeps the key's bucket, the split count on any device and the check's verdict."""
+    k_cache, table = torch.empty(0, block_size, 1, 1), torch.empty(1, columns)
+    widest = widest_alike_kv_len(max_kv_len, k_cache, table)
+    capacity = columns * block_size
+    if max_kv_len > capacity:
+        assert widest == max_kv_len  # left for the check to refuse
+        return
+    assert max_kv_len <= widest <= capacity
+    assert token_bucket(widest) == token_bucket(max_kv_len)
+    splits = [kernels.choose_num_splits(decode=True, num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_kv_len=n,
+                                        programs=programs) for n in (max_kv_len, widest)]
+    assert splits[0] == splits[1]
+    if widest < capacity:  # the widest: one more is another launch, or past the block table
+        one_more = widest + 1
+        assert (token_bucket(one_more) != token_bucket(widest)
+                or -(-one_more // kernels.MIN_TOKENS_PER_SPLIT) != -(-widest // kernels.MIN_TOKENS_PER_SPLIT)
+                or (one_more < 2 * kernels.MIN_TOKENS_PER_SPLIT) != (widest < 2 * kernels.MIN_TOKENS_PER_SPLIT))
+
+
+@pytest.mark.parametrize("hint, error", [(0, None), (-1, "max_kv_len must be >= 0"), (10**6, "hold at most"),
+                                         (True, "max_kv_len must be an int"), (1.5, "max_kv_len must be an int")])
+def test_hints_that_are_not_valid_reach_the_check_as_given(hint, error):
+    q, k_cache, v_cache, table, cu, lens = example_paged_batch([1], [10], num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                                               block_size=4, dtype=torch.float32, device="cpu")
+    if type(hint) is int:
+        assert widest_alike_kv_len(hint, k_cache, table) == hint
+    assert widest_alike_kv_len(7, "not a cache", table) == 7
+    call = lambda: paged_attention(q, k_cache, v_cache, table, cu, lens, max_q_len=1, max_kv_len=hint)
+    if error is None:
+        call()
+    else:
+        with pytest.raises((TypeError, ValueError), match=error):
+            call()
+
+
+def test_a_growing_decode_keeps_its_call_signature_for_many_steps():
+    """A decode whose hint grows by one a step gets a new call signature only where a launch would change."""
+    op = paged_attention_op
+    q, k_cache, v_cache, table, cu, lens = example_paged_batch([1], [700], num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                                               block_size=16, dtype=torch.float32, device="cpu")
+    op.reset()
+    for kv_len in range(1, 701):
+        lens.fill_(kv_len)
+        got = paged_attention(q, k_cache, v_cache, table, cu, lens, max_q_len=1, max_kv_len=kv_len)
+        if kv_len in (1, 300, 700):
+            want = op.reference(q, k_cache, v_cache, table, cu, lens, 0.25, None, None, None, 1, kv_len)
+            assert_close(got, want.double(), torch.float32)
+    # 1, 2, 4, ..., 512 (ten buckets) and 513..700 (below two splits): eleven, not 700
+    assert len(op._checked) == 11
 
 
 @pytest.mark.parametrize("block_rows", [16, 64, 256])
