@@ -12,8 +12,12 @@ Qwen2, Gemma-2) share one attention forward, statement for statement:
 Qwen3 and its kin (Qwen3-MoE, Qwen3-VL, dots1, Mellum: 9 more classes) run the same forward with
 per-head norms of the queries and keys before the rotary embedding, ``self.q_norm(...)`` /
 ``self.k_norm(...)`` of each part's ``[B, T, H, D]`` heads; Gemma-3, Apertus, HY-V3 and T5Gemma-2's
-self-attention (5 more) norm the transposed heads in statements of their own (:data:`_QK_NORM_TEMPLATES`). The direct path
-calls those two modules (their hooks too) on the same views.
+self-attention (5 more) norm the transposed heads in statements of their own; OLMo-2, OLMo-3,
+FlexOlmo and MiniMax-M2 (4 more) the whole q and k projections before splitting them into heads
+(:data:`_QK_NORM_TEMPLATES`). The direct path calls those two modules (their hooks too) on the
+same tensors. Phi-3 and Phi-4-multimodal project q, k and v in one ``qkv_proj`` and slice it by
+the config's head counts (:data:`_FUSED_TEMPLATE`); the direct path calls that module as a module
+(its hooks run) and takes the same views of its output.
 
 A paged module (:class:`~hw_agnostic.layers.PagedAttention`) runs that forward with its cache bound
 to a paged view and its attention function dispatched by name: three projection-part calls, the
@@ -45,7 +49,8 @@ other call returns ``NotImplemented`` and the module's forward runs as before:
 * no cache, or a cache that is not a plain transformers ``Cache`` with a paged view for the
   module's layer (continuous batching, encoder-decoder caches, offloading);
 * ``sliding_window`` / ``softcap`` / ``s_aux`` among the call's keywords (the forward passes them on);
-* q/k/v that are not the parts of the module's merged projection (verification undid the merge),
+* q/k/v that are not the parts of the module's merged projection (verification undid the merge;
+  a fused form: no ``qkv_proj`` module),
   forward hooks on those parts or global module hooks (the parts' calls are not made), a config
   that no longer names the paged attention function, a forward other than the recognised one's
   code (a change or a patch replaced it), or a rotary function a ``kernels.kernelize`` call mapped.
@@ -101,10 +106,23 @@ def forward(self, hidden_states, position_embeddings, attention_mask, cache, **k
 '''
 
 
+_PARTS = """\
+    query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+"""
+#: the template's three part projections as statements whose views are taken apart from the projections
+_VIEWS = """\
+    query_states = query_states.view(hidden_shape).transpose(1, 2)
+    key_states = key_states.view(hidden_shape).transpose(1, 2)
+    value_states = value_states.view(hidden_shape).transpose(1, 2)
+"""
+
 #: The template with per-head norms of the queries and keys before the rotary embedding, by where
 #: they are applied: ``"heads"``, to each part's ``[B, T, H, D]`` heads before the transpose (Qwen3 and
 #: its derivatives, dots1, Mellum); ``"transposed"``, to the transposed ``[B, H, T, D]`` heads, as
-#: statements of their own (Gemma-3, Apertus, HY-V3).
+#: statements of their own (Gemma-3, Apertus, HY-V3); ``"whole"``, to the whole q and k projections
+#: before their heads are split off (OLMo-2).
 _QK_NORM_TEMPLATES = {
     "heads": _TEMPLATE.replace(
         "query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
@@ -116,7 +134,22 @@ _QK_NORM_TEMPLATES = {
         "    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)\n"
         "    query_states = self.q_norm(query_states)\n"
         "    key_states = self.k_norm(key_states)\n"),
+    "whole": _TEMPLATE.replace(_PARTS, """\
+    query_states = self.q_norm(self.q_proj(hidden_states))
+    key_states = self.k_norm(self.k_proj(hidden_states))
+    value_states = self.v_proj(hidden_states)
+""" + _VIEWS),
 }
+
+#: The template with one projection of q, k and v together, ``qkv_proj``, sliced by the config's head
+#: counts (Phi-3, Phi-4-multimodal).
+_FUSED_TEMPLATE = _TEMPLATE.replace(_PARTS, """\
+    qkv = self.qkv_proj(hidden_states)
+    query_pos = self.config.num_attention_heads * self.head_dim
+    query_states = qkv[..., :query_pos]
+    key_states = qkv[..., query_pos : query_pos + self.num_key_value_heads * self.head_dim]
+    value_states = qkv[..., query_pos + self.num_key_value_heads * self.head_dim :]
+""" + _VIEWS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +160,7 @@ class Recognised:
     forwarded: tuple[tuple[str, Callable[[nn.Module], Any]], ...]
     owner: type  # the class whose forward it is
     qk_norms: Optional[str] = None  # the form of :data:`_QK_NORM_TEMPLATES` the forward has (None: the template)
+    fused: bool = False  # the forward is :data:`_FUSED_TEMPLATE`'s: one ``qkv_proj``, sliced
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Recognised again where it is unpickled (code and the forwarded functions do not pickle)."""
@@ -181,7 +215,7 @@ def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.
     return dumps, unify.forwarded
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=None)  # the templates' few sources
 def _template(source: str = _TEMPLATE) -> list[str]:
     parsed = _body(ast.parse(source).body[0])  # type: ignore[arg-type]
     assert parsed is not None
@@ -205,7 +239,8 @@ def recognise(cls: type) -> Optional[Recognised]:
     if parsed is None:
         return None
     qk_norms = next((form for form, source in _QK_NORM_TEMPLATES.items() if parsed[0] == _template(source)), None)
-    if qk_norms is None and parsed[0] != _template():
+    fused = qk_norms is None and parsed[0] == _template(_FUSED_TEMPLATE)
+    if qk_norms is None and not fused and parsed[0] != _template():
         return None
     local = {a.arg for a in function.args.args} | {function.args.kwarg.arg} | {
         n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
@@ -218,7 +253,7 @@ def recognise(cls: type) -> Optional[Recognised]:
         ast.fix_missing_locations(source)
         forwarded.append((name, eval(compile(source, inspect.getsourcefile(inner) or "<forward>", "eval"),  # noqa: S307
                                      inner.__globals__)))
-    return Recognised(inner.__code__, tuple(forwarded), cls, qk_norms)
+    return Recognised(inner.__code__, tuple(forwarded), cls, qk_norms, fused)
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,6 +345,24 @@ def _rotates_in_the_write(rotate: Any, query: Tensor, key: Tensor, value: Tensor
             and getattr(sin, "dtype", None) is dtype and (paged.store is None or paged.store.dtype is dtype) and routes(query, key, cos, sin))
 
 
+def _sliced_heads(module: nn.Module, qkv: Tensor, hidden_shape: tuple[int, ...]) -> list[Tensor]:
+    """The query, key and value heads :data:`_FUSED_TEMPLATE`'s forward slices out of ``qkv`` ``[B, T, W]``.
+
+    Where every slice is whole heads of a contiguous ``qkv`` of three dims, the three views of the
+    forward's nine (slice, view, transpose each) come from one view, one transpose and one split:
+    the same offsets, sizes and strides (see :func:`_head_counts`)."""
+    head_dim = module.head_dim
+    query_pos = module.config.num_attention_heads * head_dim
+    key_end = query_pos + module.num_key_value_heads * head_dim
+    width = qkv.shape[-1]
+    if (qkv.dim() == 3 and qkv.is_contiguous() and type(head_dim) is int and head_dim > 0
+            and 0 <= query_pos <= key_end <= width and not (query_pos % head_dim or key_end % head_dim or width % head_dim)):
+        heads = (query_pos // head_dim, (key_end - query_pos) // head_dim, (width - key_end) // head_dim)
+        return list(qkv.view(hidden_shape).transpose(1, 2).split_with_sizes(heads, dim=1))
+    parts = (qkv[..., :query_pos], qkv[..., query_pos:key_end], qkv[..., key_end:])
+    return [part.view(hidden_shape).transpose(1, 2) for part in parts]
+
+
 _UNSET = object()
 _PROJ, _O_PROJ = ("proj",), ("o_proj",)
 
@@ -337,7 +390,11 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     if not isinstance(cache, Cache) or isinstance(cache, (EncoderDecoderCache, PagedAttentionCache)):
         return NotImplemented
     children = module._modules
-    qkv = _merged_projection(children)
+    if recognised.fused:  # called as the forward calls it (its hooks run), whatever module it is
+        qkv = children.get("qkv_proj")
+        qkv = qkv if isinstance(qkv, nn.Module) else None
+    else:
+        qkv = _merged_projection(children)
     norms = _qk_norms(children) if recognised.qk_norms else None
     namespace = _namespace(state.base_forward, recognised.code)
     layer_idx = getattr(module, "layer_idx", None)
@@ -352,8 +409,15 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     plain = plain_calls()
     input_shape = hidden.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
-    heads = _head_counts(type(qkv), qkv.sizes, module.head_dim) if hidden.dim() == 3 else None
-    if recognised.qk_norms == "heads":  # the q / k heads [B, T, H, D] normed, then transposed, as the forward does
+    heads = (_head_counts(type(qkv), qkv.sizes, module.head_dim)
+             if hidden.dim() == 3 and not recognised.fused and recognised.qk_norms != "whole" else None)
+    if recognised.fused:
+        query, key, value = _sliced_heads(module, call_in(plain, qkv, hidden), hidden_shape)
+    elif recognised.qk_norms == "whole":  # the whole q / k projections normed, then split into heads
+        q, k, v = qkv.forward(hidden)
+        q, k = call_in(plain, norms[0], q), call_in(plain, norms[1], k)
+        query, key, value = [part.view(hidden_shape).transpose(1, 2) for part in (q, k, v)]
+    elif recognised.qk_norms == "heads":  # the q / k heads [B, T, H, D] normed, then transposed, as the forward does
         if heads is None:
             q, k, v = [part.view(hidden_shape) for part in qkv.forward(hidden)]
         else:

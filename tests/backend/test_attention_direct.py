@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -9,16 +10,18 @@ import torch
 from transformers import DynamicCache
 from transformers.models.llama import modeling_llama
 from transformers.models.gemma3.modeling_gemma3 import Gemma3Attention
+from transformers.models.olmo2.modeling_olmo2 import Olmo2Attention
+from transformers.models.phi3.modeling_phi3 import Phi3Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from hw_agnostic import rewire
-from hw_agnostic.backend.attention_direct import _TEMPLATE, _head_counts, recognise
+from hw_agnostic.backend.attention_direct import _TEMPLATE, _head_counts, _sliced_heads, recognise
 from hw_agnostic.layers.attention import _STATE, PagedAttention
 from hw_agnostic.layers.qkv import QKVProjection
 
 from .models import build, prompt
 
-RECOGNISED = ["llama", "mistral", "qwen2", "gemma", "gemma2", "granite", "qwen3", "gemma3_text"]
+RECOGNISED = ["llama", "mistral", "qwen2", "gemma", "gemma2", "granite", "qwen3", "gemma3_text", "phi3", "olmo2"]
 
 
 def _paged(model):
@@ -89,10 +92,11 @@ def test_the_cache_holds_the_same_pages_after_either_path(family):
             assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "olmo2"])
 def test_the_query_and_key_norms_are_called_as_modules_hooks_included(family):
     """``q_norm`` / ``k_norm`` of the heads, called as the forward calls them: on each part's
-    ``[B, T, H, D]`` heads (Qwen3), on the transposed ``[B, H, T, D]`` ones (Gemma-3)."""
+    ``[B, T, H, D]`` heads (Qwen3), on the transposed ``[B, H, T, D]`` ones (Gemma-3), on the whole
+    projections ``[B, T, H * D]`` (OLMo-2)."""
     model = _rewired(family)
     counts = _count_direct(model)
     seen = []
@@ -102,10 +106,12 @@ def test_the_query_and_key_norms_are_called_as_modules_hooks_included(family):
     with torch.no_grad():
         model(prompt(batch=1, length=5))
     heads, kv_heads, head_dim = (model.config.num_attention_heads, model.config.num_key_value_heads,
-                                 model.config.head_dim)
+                                 module.head_dim)
     assert counts["taken"] == len(_paged(model)) and counts["declined"] == 0
     if family == "qwen3":
         assert seen == [("q", (1, 5, heads, head_dim)), ("k", (1, 5, kv_heads, head_dim))]
+    elif family == "olmo2":
+        assert seen == [("q", (1, 5, heads * head_dim)), ("k", (1, 5, kv_heads * head_dim))]
     else:
         assert seen == [("q", (1, heads, 5, head_dim)), ("k", (1, kv_heads, 5, head_dim))]
 
@@ -173,6 +179,8 @@ def test_only_the_template_forward_is_recognised(tmp_path):
     assert recognise(modeling_llama.LlamaAttention).qk_norms is None
     assert recognise(Qwen3Attention).qk_norms == "heads"  # q_norm / k_norm of each part's heads
     assert recognise(Gemma3Attention).qk_norms == "transposed"  # ... of the transposed heads
+    assert recognise(Olmo2Attention).qk_norms == "whole"  # ... of the whole q / k projections
+    assert recognise(Phi3Attention).fused and not recognise(modeling_llama.LlamaAttention).fused  # one qkv_proj
 
     namespace = dict(vars(modeling_llama))
     template = textwrap.dedent(_TEMPLATE)
@@ -232,3 +240,38 @@ def test_a_plugins_merged_projection_forward_is_still_called():
     with torch.no_grad():
         model(prompt(batch=1, length=3))
     assert counts["taken"] == 2 and len(calls) == 2
+
+
+def test_a_fused_projection_is_called_as_a_module_and_sliced_as_the_forward_slices():
+    """Phi-3's ``qkv_proj``: its hooks fire on the direct path, and the heads are the views the
+    forward's slices make (offset, sizes, strides), also where a slice is no whole number of heads."""
+    model = _rewired("phi3")
+    counts = _count_direct(model)
+    attention = model.model.layers[0].self_attn
+    fired = []
+    attention.qkv_proj.register_forward_hook(lambda module, args, out: fired.append(tuple(out.shape)))
+    with torch.no_grad():
+        model(prompt(batch=1, length=4))
+    assert counts == {"taken": 2, "declined": 0} and len(fired) == 1
+
+    head_dim, heads, kv_heads = attention.head_dim, model.config.num_attention_heads, attention.num_key_value_heads
+    width = (heads + 2 * kv_heads) * head_dim
+
+    def forwards(qkv, shape):
+        query_pos = heads * head_dim
+        parts = (qkv[..., :query_pos], qkv[..., query_pos: query_pos + kv_heads * head_dim],
+                 qkv[..., query_pos + kv_heads * head_dim:])
+        return [part.view(shape).transpose(1, 2) for part in parts]
+
+    for qkv in (torch.randn(2, 5, width), torch.randn(5, 2, width).transpose(0, 1),  # contiguous, or not
+                torch.randn(2, 5, width + head_dim // 2)):  # a value slice of no whole number of heads
+        shape = (2, 5, -1, head_dim)
+        try:
+            want = forwards(qkv, shape)
+        except RuntimeError as error:  # the forward's own view fails: so does the direct path's
+            with pytest.raises(RuntimeError, match=re.escape(str(error))):
+                _sliced_heads(attention, qkv, shape)
+            continue
+        got = _sliced_heads(attention, qkv, shape)
+        for g, w in zip(got, want):
+            assert (g.data_ptr(), g.shape, g.stride()) == (w.data_ptr(), w.shape, w.stride())
