@@ -17,7 +17,10 @@ FlexOlmo and MiniMax-M2 (4 more) the whole q and k projections before splitting 
 (:data:`_QK_NORM_TEMPLATES`). The direct path calls those two modules (their hooks too) on the
 same tensors. Phi-3 and Phi-4-multimodal project q, k and v in one ``qkv_proj`` and slice it by
 the config's head counts (:data:`_FUSED_TEMPLATE`); the direct path calls that module as a module
-(its hooks run) and takes the same views of its output.
+(its hooks run) and takes the same views of its output. Starcoder2 and Seed-OSS run the template
+with one more statement, ``attn_output = nn.functional.dropout(attn_output, p=..., training=self.training)``
+after the heads are merged, which leaves them as they are outside training, where the direct path
+never runs; it is left out of the comparison (:func:`_is_output_dropout`) where ``nn`` is torch's.
 
 A paged module (:class:`~hw_agnostic.layers.PagedAttention`) runs that forward with its cache bound
 to a paged view and its attention function dispatched by name: three projection-part calls, the
@@ -198,9 +201,27 @@ class _Unify(ast.NodeTransformer):
         return node
 
 
-def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.expr]]]:
-    """The unified statements of ``function`` (see :class:`_Unify`) and its forwarded keywords;
-    None when its parameters are not the template's."""
+def _expression(source: str) -> str:
+    return ast.dump(ast.parse(source, mode="eval").body)
+
+
+def _is_output_dropout(statement: ast.stmt) -> bool:
+    """Whether ``statement`` is ``attn_output = nn.functional.dropout(attn_output, p=..., training=self.training)``
+    (Starcoder2, Seed-OSS): the merged heads as they are outside training, where the direct path never runs."""
+    if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1
+            and isinstance(statement.targets[0], ast.Name) and statement.targets[0].id == "attn_output"):
+        return False
+    call = statement.value
+    keywords = {keyword.arg: keyword.value for keyword in getattr(call, "keywords", ())}
+    return (isinstance(call, ast.Call) and ast.dump(call.func) == _expression("nn.functional.dropout")
+            and len(call.args) == 1 and ast.dump(call.args[0]) == _expression("attn_output")
+            and set(keywords) == {"p", "training"} and ast.dump(keywords["training"]) == _expression("self.training"))
+
+
+def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.expr], bool]]:
+    """The unified statements of ``function`` (see :class:`_Unify`), its forwarded keywords and
+    whether it drops out its merged heads (:func:`_is_output_dropout`, a statement left out of the
+    others); None when its parameters are not the template's."""
     args = function.args
     names = [a.arg for a in args.args]
     if (args.vararg or args.kwonlyargs or args.posonlyargs or args.kwarg is None or len(names) != 5
@@ -210,9 +231,10 @@ def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.
     statements = function.body
     if statements and isinstance(statements[0], ast.Expr) and isinstance(statements[0].value, ast.Constant):
         statements = statements[1:]  # the docstring
+    kept = [statement for statement in statements if not _is_output_dropout(statement)]
     unify = _Unify(names[4])
-    dumps = [ast.dump(unify.visit(statement)) for statement in statements]
-    return dumps, unify.forwarded
+    dumps = [ast.dump(unify.visit(statement)) for statement in kept]
+    return dumps, unify.forwarded, len(kept) < len(statements)
 
 
 @functools.lru_cache(maxsize=None)  # the templates' few sources
@@ -241,6 +263,8 @@ def recognise(cls: type) -> Optional[Recognised]:
     qk_norms = next((form for form, source in _QK_NORM_TEMPLATES.items() if parsed[0] == _template(source)), None)
     fused = qk_norms is None and parsed[0] == _template(_FUSED_TEMPLATE)
     if qk_norms is None and not fused and parsed[0] != _template():
+        return None
+    if parsed[2] and inner.__globals__.get("nn") is not nn:  # its dropout is not torch's
         return None
     local = {a.arg for a in function.args.args} | {function.args.kwarg.arg} | {
         n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.models.llama import modeling_llama
 from transformers.models.gemma3.modeling_gemma3 import Gemma3Attention
 from transformers.models.olmo2.modeling_olmo2 import Olmo2Attention
@@ -19,7 +19,7 @@ from hw_agnostic.backend.attention_direct import _TEMPLATE, _head_counts, _slice
 from hw_agnostic.layers.attention import _STATE, PagedAttention
 from hw_agnostic.layers.qkv import QKVProjection
 
-from .models import build, prompt
+from .models import TINY, TOKENS, build, prompt
 
 RECOGNISED = ["llama", "mistral", "qwen2", "gemma", "gemma2", "granite", "qwen3", "gemma3_text", "phi3", "olmo2"]
 
@@ -191,10 +191,15 @@ def test_only_the_template_forward_is_recognised(tmp_path):
     q_norm_only = template.replace("query_states = self.q_proj(hidden_states).view(hidden_shape)",
                                    "query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape))")
     window = template.replace("scaling=self.scaling,", "scaling=self.scaling, sliding_window=self.window,")
-    assert len({template, extra_statement, sinks, window, q_norm_only}) == 5
+    merged = "attn_output = attn_output.reshape(*input_shape, -1).contiguous()\n"
+    dropout = template.replace(merged, merged + "    attn_output = nn.functional.dropout(attn_output, p=self.p, "
+                                               "training=self.training)\n")
+    dropout_in_training = dropout.replace("training=self.training", "training=True")
+    assert len({template, extra_statement, sinks, window, q_norm_only, dropout, dropout_in_training}) == 7
     found = {}
     for name, source in (("template", template), ("scaled values", extra_statement), ("sinks", sinks),
-                         ("window", window), ("q norm only", q_norm_only)):
+                         ("window", window), ("q norm only", q_norm_only), ("dropout", dropout),
+                         ("dropout in training", dropout_in_training)):
         path = tmp_path / f"{name.replace(' ', '_')}.py"  # inspect.getsource reads the forward's file
         path.write_text(textwrap.dedent(source))
         code = compile(textwrap.dedent(source), str(path), "exec")
@@ -204,6 +209,7 @@ def test_only_the_template_forward_is_recognised(tmp_path):
     assert found["template"] is not None and not found["template"].forwarded
     assert found["scaled values"] is None and found["sinks"] is None and found["q norm only"] is None
     assert found["window"] is not None and [name for name, _ in found["window"].forwarded] == ["sliding_window"]
+    assert found["dropout"] is not None and found["dropout in training"] is None
 
 
 def test_the_heads_are_the_views_the_forward_makes_of_each_part():
@@ -275,3 +281,21 @@ def test_a_fused_projection_is_called_as_a_module_and_sliced_as_the_forward_slic
         got = _sliced_heads(attention, qkv, shape)
         for g, w in zip(got, want):
             assert (g.data_ptr(), g.shape, g.stride()) == (w.data_ptr(), w.shape, w.stride())
+
+
+def test_a_forward_dropping_out_its_merged_heads_takes_it_bit_for_bit():
+    """Starcoder2's forward drops out the merged heads (``training=self.training``), which outside
+    training leaves them as they are: recognised, and both paths give the same tokens and logits."""
+    def rewired_starcoder2():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model("starcoder2", **TINY, **TOKENS, sliding_window=16, residual_dropout=0.5)).eval()
+        rewire(model)
+        return model
+
+    direct, general = rewired_starcoder2(), _without_direct(rewired_starcoder2())
+    counts = _count_direct(direct)
+    ids = prompt(batch=1, length=14)
+    (got_tokens, got_logits), (want_tokens, want_logits) = _generate(direct, ids), _generate(general, ids)
+    assert counts == {"taken": 2 * 6, "declined": 0}
+    assert torch.equal(got_tokens, want_tokens) and torch.equal(got_logits, want_logits)
