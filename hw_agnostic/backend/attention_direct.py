@@ -12,7 +12,8 @@ Qwen2, Gemma-2) share one attention forward, statement for statement:
 Qwen3 and its kin (Qwen3-MoE, Qwen3-VL, dots1, Mellum: 9 more classes) run the same forward with
 per-head norms of the queries and keys before the rotary embedding, ``self.q_norm(...)`` /
 ``self.k_norm(...)`` of each part's ``[B, T, H, D]`` heads; Gemma-3, Apertus, HY-V3 and T5Gemma-2's
-self-attention (5 more) norm the transposed heads in statements of their own; OLMo-2, OLMo-3,
+self-attention (5 more) norm the transposed heads in statements of their own; Cohere and GLM-4-MoE
+(2 more) each part's heads where ``self.use_qk_norm`` says so, read on every call; OLMo-2, OLMo-3,
 FlexOlmo and MiniMax-M2 (4 more) the whole q and k projections before splitting them into heads
 (:data:`_QK_NORM_TEMPLATES`). The direct path calls those two modules (their hooks too) on the
 same tensors. Phi-3 and Phi-4-multimodal project q, k and v in one ``qkv_proj`` and slice it by
@@ -124,8 +125,9 @@ _VIEWS = """\
 #: The template with per-head norms of the queries and keys before the rotary embedding, by where
 #: they are applied: ``"heads"``, to each part's ``[B, T, H, D]`` heads before the transpose (Qwen3 and
 #: its derivatives, dots1, Mellum); ``"transposed"``, to the transposed ``[B, H, T, D]`` heads, as
-#: statements of their own (Gemma-3, Apertus, HY-V3); ``"whole"``, to the whole q and k projections
-#: before their heads are split off (OLMo-2).
+#: statements of their own (Gemma-3, Apertus, HY-V3); ``"optional heads"``, as ``"heads"`` where
+#: ``self.use_qk_norm`` is true, in statements of their own (Cohere, GLM-4-MoE); ``"whole"``, to the
+#: whole q and k projections before their heads are split off (OLMo-2).
 _QK_NORM_TEMPLATES = {
     "heads": _TEMPLATE.replace(
         "query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
@@ -137,6 +139,17 @@ _QK_NORM_TEMPLATES = {
         "    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)\n"
         "    query_states = self.q_norm(query_states)\n"
         "    key_states = self.k_norm(key_states)\n"),
+    "optional heads": _TEMPLATE.replace(_PARTS, """\
+    query_states = self.q_proj(hidden_states).view(hidden_shape)
+    key_states = self.k_proj(hidden_states).view(hidden_shape)
+    value_states = self.v_proj(hidden_states).view(hidden_shape)
+    if self.use_qk_norm:
+        query_states = self.q_norm(query_states)
+        key_states = self.k_norm(key_states)
+    query_states = query_states.transpose(1, 2)
+    key_states = key_states.transpose(1, 2)
+    value_states = value_states.transpose(1, 2)
+"""),
     "whole": _TEMPLATE.replace(_PARTS, """\
     query_states = self.q_norm(self.q_proj(hidden_states))
     key_states = self.k_norm(self.k_proj(hidden_states))
@@ -413,17 +426,20 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     Cache, EncoderDecoderCache, PagedAttentionCache = _cache_classes()
     if not isinstance(cache, Cache) or isinstance(cache, (EncoderDecoderCache, PagedAttentionCache)):
         return NotImplemented
+    qk_norms = recognised.qk_norms
+    if qk_norms == "optional heads":  # the forward's ``if self.use_qk_norm:``
+        qk_norms = "heads" if module.use_qk_norm else None
     children = module._modules
     if recognised.fused:  # called as the forward calls it (its hooks run), whatever module it is
         qkv = children.get("qkv_proj")
         qkv = qkv if isinstance(qkv, nn.Module) else None
     else:
         qkv = _merged_projection(children)
-    norms = _qk_norms(children) if recognised.qk_norms else None
+    norms = _qk_norms(children) if qk_norms else None
     namespace = _namespace(state.base_forward, recognised.code)
     layer_idx = getattr(module, "layer_idx", None)
     if (qkv is None or namespace is None or type(layer_idx) is not int or _mapped_kernel(module)
-            or recognised.qk_norms and norms is None or not _names_paged_attention(module.config, namespace)):
+            or qk_norms and norms is None or not _names_paged_attention(module.config, namespace)):
         return NotImplemented
     paged = paged_layer_of(cache, layer_idx, state.block_size, state.passes_window)
     if paged is None:
@@ -434,14 +450,14 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     input_shape = hidden.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
     heads = (_head_counts(type(qkv), qkv.sizes, module.head_dim)
-             if hidden.dim() == 3 and not recognised.fused and recognised.qk_norms != "whole" else None)
+             if hidden.dim() == 3 and not recognised.fused and qk_norms != "whole" else None)
     if recognised.fused:
         query, key, value = _sliced_heads(module, call_in(plain, qkv, hidden), hidden_shape)
-    elif recognised.qk_norms == "whole":  # the whole q / k projections normed, then split into heads
+    elif qk_norms == "whole":  # the whole q / k projections normed, then split into heads
         q, k, v = qkv.forward(hidden)
         q, k = call_in(plain, norms[0], q), call_in(plain, norms[1], k)
         query, key, value = [part.view(hidden_shape).transpose(1, 2) for part in (q, k, v)]
-    elif recognised.qk_norms == "heads":  # the q / k heads [B, T, H, D] normed, then transposed, as the forward does
+    elif qk_norms == "heads":  # the q / k heads [B, T, H, D] normed, then transposed, as the forward does
         if heads is None:
             q, k, v = [part.view(hidden_shape) for part in qkv.forward(hidden)]
         else:
@@ -457,7 +473,7 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
         (proj,) = own_attributes(qkv, "_modules", _PROJ)
         merged = call_in(plain, proj, hidden)
         query, key, value = merged.view(hidden_shape).transpose(1, 2).split_with_sizes(heads, dim=1)
-    if recognised.qk_norms == "transposed":
+    if qk_norms == "transposed":
         query, key = call_in(plain, norms[0], query), call_in(plain, norms[1], key)
     cos, sin = rotary
     rotate, mask = namespace["apply_rotary_pos_emb"], arguments.get("attention_mask")

@@ -283,6 +283,36 @@ def test_a_fused_projection_is_called_as_a_module_and_sliced_as_the_forward_slic
             assert (g.data_ptr(), g.shape, g.stride()) == (w.data_ptr(), w.shape, w.stride())
 
 
+@pytest.mark.parametrize("use_qk_norm", [False, True])
+def test_a_forward_whose_head_norms_a_flag_switches_takes_it_bit_for_bit(use_qk_norm):
+    """Cohere's forward norms each part's heads where ``self.use_qk_norm`` says so: read on every call."""
+    def rewired_cohere():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model("cohere", **TINY, **TOKENS, use_qk_norm=use_qk_norm)).eval()
+        rewire(model)
+        return model
+
+    assert recognise(type(_paged(rewired_cohere())[0])._hw_agnostic_base).qk_norms == "optional heads"
+    direct, general = rewired_cohere(), _without_direct(rewired_cohere())
+    counts = _count_direct(direct)
+    ids = prompt(batch=1, length=14)
+    (got_tokens, got_logits), (want_tokens, want_logits) = _generate(direct, ids), _generate(general, ids)
+    assert counts == {"taken": 2 * 6, "declined": 0}
+    assert torch.equal(got_tokens, want_tokens) and torch.equal(got_logits, want_logits)
+    if use_qk_norm:  # the flag is read per call: off, the norms are not called
+        seen = []
+        attention = _paged(direct)[0]
+        attention.q_norm.register_forward_hook(lambda *_: seen.append("q"))
+        attention.use_qk_norm = False
+        with torch.no_grad():
+            direct(prompt(batch=1, length=3))
+        attention.use_qk_norm = True
+        with torch.no_grad():
+            direct(prompt(batch=1, length=3))
+        assert seen == ["q"] and counts["declined"] == 0
+
+
 def test_a_forward_dropping_out_its_merged_heads_takes_it_bit_for_bit():
     """Starcoder2's forward drops out the merged heads (``training=self.training``), which outside
     training leaves them as they are: recognised, and both paths give the same tokens and logits."""
