@@ -283,26 +283,33 @@ def test_a_fused_projection_is_called_as_a_module_and_sliced_as_the_forward_slic
             assert (g.data_ptr(), g.shape, g.stride()) == (w.data_ptr(), w.shape, w.stride())
 
 
-@pytest.mark.parametrize("use_qk_norm", [False, True])
-def test_a_forward_whose_head_norms_a_flag_switches_takes_it_bit_for_bit(use_qk_norm):
-    """Cohere's forward norms each part's heads where ``self.use_qk_norm`` says so: read on every call."""
-    def rewired_cohere():
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(
-            AutoConfig.for_model("cohere", **TINY, **TOKENS, use_qk_norm=use_qk_norm)).eval()
-        rewire(model)
-        return model
+def _rewired_from_config(family, **config):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **TINY, **TOKENS, **config)).eval()
+    rewire(model)
+    return model
 
-    assert recognise(type(_paged(rewired_cohere())[0])._hw_agnostic_base).qk_norms == "optional heads"
-    direct, general = rewired_cohere(), _without_direct(rewired_cohere())
+
+def _both_paths_agree(family, **config):
+    """A prompt and five decode steps of ``family`` through the direct path and the general one: every
+    call takes the direct path, and tokens and logits agree bit for bit. Returns the direct model and its counts."""
+    direct, general = _rewired_from_config(family, **config), _without_direct(_rewired_from_config(family, **config))
     counts = _count_direct(direct)
     ids = prompt(batch=1, length=14)
     (got_tokens, got_logits), (want_tokens, want_logits) = _generate(direct, ids), _generate(general, ids)
     assert counts == {"taken": 2 * 6, "declined": 0}
     assert torch.equal(got_tokens, want_tokens) and torch.equal(got_logits, want_logits)
+    return direct, counts
+
+
+@pytest.mark.parametrize("use_qk_norm", [False, True])
+def test_a_forward_whose_head_norms_a_flag_switches_takes_it_bit_for_bit(use_qk_norm):
+    """Cohere's forward norms each part's heads where ``self.use_qk_norm`` says so: read on every call."""
+    direct, counts = _both_paths_agree("cohere", use_qk_norm=use_qk_norm)
+    attention = _paged(direct)[0]
+    assert recognise(type(attention)._hw_agnostic_base).qk_norms == "optional heads"
     if use_qk_norm:  # the flag is read per call: off, the norms are not called
         seen = []
-        attention = _paged(direct)[0]
         attention.q_norm.register_forward_hook(lambda *_: seen.append("q"))
         attention.use_qk_norm = False
         with torch.no_grad():
@@ -316,16 +323,4 @@ def test_a_forward_whose_head_norms_a_flag_switches_takes_it_bit_for_bit(use_qk_
 def test_a_forward_dropping_out_its_merged_heads_takes_it_bit_for_bit():
     """Starcoder2's forward drops out the merged heads (``training=self.training``), which outside
     training leaves them as they are: recognised, and both paths give the same tokens and logits."""
-    def rewired_starcoder2():
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(
-            AutoConfig.for_model("starcoder2", **TINY, **TOKENS, sliding_window=16, residual_dropout=0.5)).eval()
-        rewire(model)
-        return model
-
-    direct, general = rewired_starcoder2(), _without_direct(rewired_starcoder2())
-    counts = _count_direct(direct)
-    ids = prompt(batch=1, length=14)
-    (got_tokens, got_logits), (want_tokens, want_logits) = _generate(direct, ids), _generate(general, ids)
-    assert counts == {"taken": 2 * 6, "declined": 0}
-    assert torch.equal(got_tokens, want_tokens) and torch.equal(got_logits, want_logits)
+    _both_paths_agree("starcoder2", sliding_window=16, residual_dropout=0.5)
