@@ -116,8 +116,9 @@ def test_the_query_and_key_norms_are_called_as_modules_hooks_included(family):
         assert seen == [("q", (1, heads, 5, head_dim)), ("k", (1, kv_heads, 5, head_dim))]
 
 
-def test_left_padded_generation_takes_it_and_matches_the_general_path():
-    direct, general = _rewired("llama"), _without_direct(_rewired("llama"))
+@pytest.mark.parametrize("family", ["llama", "phi3", "olmo2"])
+def test_left_padded_generation_takes_it_and_matches_the_general_path(family):
+    direct, general = _rewired(family), _without_direct(_rewired(family))
     counts = _count_direct(direct)
     ids = prompt(batch=2, length=6)
     mask = torch.ones_like(ids)

@@ -79,8 +79,9 @@ def test_beam_search_on_a_static_cache_matches_hf(extra):
         assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs))
 
 
-def test_decode_steps_trace_once_across_blocks_on_fixed_addresses():
-    model, reference = _pair()
+@pytest.mark.parametrize("family", ["llama", "phi3", "olmo2"])  # the direct path's forms: parts, sliced qkv, whole norms
+def test_decode_steps_trace_once_across_blocks_on_fixed_addresses(family):
+    model, reference = _pair(family)
     block = model.model.layers[0].self_attn.block_size
     ours, theirs = (StaticCache(config=m.config, max_cache_len=3 * block) for m in (model, reference))
     backend = Counting()
