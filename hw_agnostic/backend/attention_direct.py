@@ -22,6 +22,9 @@ the config's head counts (:data:`_FUSED_TEMPLATE`); the direct path calls that m
 with one more statement, ``attn_output = nn.functional.dropout(attn_output, p=..., training=self.training)``
 after the heads are merged, which leaves them as they are outside training, where the direct path
 never runs; it is left out of the comparison (:func:`_is_output_dropout`) where ``nn`` is torch's.
+OLMo and OLMoE (after its whole-projection norms) clamp the projections in place where
+``config.clip_qkv`` says so, before splitting them into heads (:data:`_CLIPPED_TEMPLATES`); the direct
+path clamps the same tensors.
 
 A paged module (:class:`~hw_agnostic.layers.PagedAttention`) runs that forward with its cache bound
 to a paged view and its attention function dispatched by name: three projection-part calls, the
@@ -157,6 +160,30 @@ _QK_NORM_TEMPLATES = {
 """ + _VIEWS),
 }
 
+#: the in-place clamps of OLMo's and OLMoE's projections, where the config says so
+_CLIP = """\
+    if self.config.clip_qkv is not None:
+        query_states.clamp_(min=-self.config.clip_qkv, max=self.config.clip_qkv)
+        key_states.clamp_(min=-self.config.clip_qkv, max=self.config.clip_qkv)
+        value_states.clamp_(min=-self.config.clip_qkv, max=self.config.clip_qkv)
+"""
+
+#: The template, and its form with norms of the whole q / k projections, with the projections clamped
+#: in place (``config.clip_qkv``) before their heads are split off: OLMo, OLMoE (which spells the views
+#: ``view(*hidden_shape)``), by their q/k norm form.
+_CLIPPED_TEMPLATES = {
+    None: _TEMPLATE.replace(_PARTS, """\
+    query_states = self.q_proj(hidden_states)
+    key_states = self.k_proj(hidden_states)
+    value_states = self.v_proj(hidden_states)
+""" + _CLIP + _VIEWS),
+    "whole": _TEMPLATE.replace(_PARTS, """\
+    query_states = self.q_norm(self.q_proj(hidden_states))
+    key_states = self.k_norm(self.k_proj(hidden_states))
+    value_states = self.v_proj(hidden_states)
+""" + _CLIP + _VIEWS.replace("view(hidden_shape)", "view(*hidden_shape)")),
+}
+
 #: The template with one projection of q, k and v together, ``qkv_proj``, sliced by the config's head
 #: counts (Phi-3, Phi-4-multimodal).
 _FUSED_TEMPLATE = _TEMPLATE.replace(_PARTS, """\
@@ -177,6 +204,7 @@ class Recognised:
     owner: type  # the class whose forward it is
     qk_norms: Optional[str] = None  # the form of :data:`_QK_NORM_TEMPLATES` the forward has (None: the template)
     fused: bool = False  # the forward is :data:`_FUSED_TEMPLATE`'s: one ``qkv_proj``, sliced
+    clipped: bool = False  # the forward is one of :data:`_CLIPPED_TEMPLATES`: projections clamped in place
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Recognised again where it is unpickled (code and the forwarded functions do not pickle)."""
@@ -250,6 +278,15 @@ def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.
     return dumps, unify.forwarded, len(kept) < len(statements)
 
 
+#: every recognised form: its source and ``(qk_norms, fused, clipped)`` (see :class:`Recognised`)
+_FORMS = (
+    (_TEMPLATE, (None, False, False)),
+    *((source, (form, False, False)) for form, source in _QK_NORM_TEMPLATES.items()),
+    (_FUSED_TEMPLATE, (None, True, False)),
+    *((source, (form, False, True)) for form, source in _CLIPPED_TEMPLATES.items()),
+)
+
+
 @functools.lru_cache(maxsize=None)  # the templates' few sources
 def _template(source: str = _TEMPLATE) -> list[str]:
     parsed = _body(ast.parse(source).body[0])  # type: ignore[arg-type]
@@ -273,10 +310,10 @@ def recognise(cls: type) -> Optional[Recognised]:
     parsed = _body(function)
     if parsed is None:
         return None
-    qk_norms = next((form for form, source in _QK_NORM_TEMPLATES.items() if parsed[0] == _template(source)), None)
-    fused = qk_norms is None and parsed[0] == _template(_FUSED_TEMPLATE)
-    if qk_norms is None and not fused and parsed[0] != _template():
+    form = next((form for source, form in _FORMS if parsed[0] == _template(source)), None)
+    if form is None:
         return None
+    qk_norms, fused, clipped = form
     if parsed[2] and inner.__globals__.get("nn") is not nn:  # its dropout is not torch's
         return None
     local = {a.arg for a in function.args.args} | {function.args.kwarg.arg} | {
@@ -290,7 +327,7 @@ def recognise(cls: type) -> Optional[Recognised]:
         ast.fix_missing_locations(source)
         forwarded.append((name, eval(compile(source, inspect.getsourcefile(inner) or "<forward>", "eval"),  # noqa: S307
                                      inner.__globals__)))
-    return Recognised(inner.__code__, tuple(forwarded), cls, qk_norms, fused)
+    return Recognised(inner.__code__, tuple(forwarded), cls, qk_norms, fused, clipped)
 
 
 # --------------------------------------------------------------------------------------------
@@ -449,13 +486,19 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     plain = plain_calls()
     input_shape = hidden.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
+    whole = qk_norms == "whole" or recognised.clipped  # the whole projections first, then their heads
     heads = (_head_counts(type(qkv), qkv.sizes, module.head_dim)
-             if hidden.dim() == 3 and not recognised.fused and qk_norms != "whole" else None)
+             if hidden.dim() == 3 and not recognised.fused and not whole else None)
     if recognised.fused:
         query, key, value = _sliced_heads(module, call_in(plain, qkv, hidden), hidden_shape)
-    elif qk_norms == "whole":  # the whole q / k projections normed, then split into heads
+    elif whole:  # the whole q / k projections normed, clamped in place where the forward does, split into heads
         q, k, v = qkv.forward(hidden)
-        q, k = call_in(plain, norms[0], q), call_in(plain, norms[1], k)
+        if qk_norms == "whole":
+            q, k = call_in(plain, norms[0], q), call_in(plain, norms[1], k)
+        clip = module.config.clip_qkv if recognised.clipped else None
+        if clip is not None:
+            for part in (q, k, v):
+                part.clamp_(min=-clip, max=clip)
         query, key, value = [part.view(hidden_shape).transpose(1, 2) for part in (q, k, v)]
     elif qk_norms == "heads":  # the q / k heads [B, T, H, D] normed, then transposed, as the forward does
         if heads is None:

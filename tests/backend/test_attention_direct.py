@@ -325,3 +325,11 @@ def test_a_forward_dropping_out_its_merged_heads_takes_it_bit_for_bit():
     """Starcoder2's forward drops out the merged heads (``training=self.training``), which outside
     training leaves them as they are: recognised, and both paths give the same tokens and logits."""
     _both_paths_agree("starcoder2", sliding_window=16, residual_dropout=0.5)
+
+
+@pytest.mark.parametrize("family, clip_qkv", [("olmo", None), ("olmo", 0.05), ("olmoe", 0.05)])
+def test_projections_clamped_in_place_take_it_bit_for_bit(family, clip_qkv):
+    """OLMo's and OLMoE's forwards clamp the q/k/v projections in place where ``config.clip_qkv`` says
+    so (OLMoE after its whole-projection norms): the direct path clamps the same tensors."""
+    direct, _ = _both_paths_agree(family, clip_qkv=clip_qkv)
+    assert recognise(type(_paged(direct)[0])._hw_agnostic_base).clipped
