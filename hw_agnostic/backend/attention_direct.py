@@ -24,7 +24,9 @@ after the heads are merged, which leaves them as they are outside training, wher
 never runs; it is left out of the comparison (:func:`_is_output_dropout`) where ``nn`` is torch's.
 OLMo and OLMoE (after its whole-projection norms) clamp the projections in place where
 ``config.clip_qkv`` says so, before splitting them into heads (:data:`_CLIPPED_TEMPLATES`); the direct
-path clamps the same tensors.
+path clamps the same tensors. Exaone-4 norms the transposed heads and leaves the rotary embedding out
+on the global layers of a model with sliding ones (:data:`_GLOBAL_NOPE_TEMPLATE`); the direct path
+reads ``self.sliding_window`` and ``self.is_sliding`` on every call, as the forward does.
 
 A paged module (:class:`~hw_agnostic.layers.PagedAttention`) runs that forward with its cache bound
 to a paged view and its attention function dispatched by name: three projection-part calls, the
@@ -184,6 +186,14 @@ _CLIPPED_TEMPLATES = {
 """ + _CLIP + _VIEWS.replace("view(hidden_shape)", "view(*hidden_shape)")),
 }
 
+_ROTARY = "    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)\n"
+#: Exaone-4's form: the transposed heads' norms, and no rotary embedding on the global layers of a
+#: model with sliding ones (``self.sliding_window`` set, ``self.is_sliding`` false), read on every call.
+_GLOBAL_NOPE_TEMPLATE = _QK_NORM_TEMPLATES["transposed"].replace(_ROTARY, """\
+    if self.sliding_window is None or self.is_sliding:
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+""")
+
 #: The template with one projection of q, k and v together, ``qkv_proj``, sliced by the config's head
 #: counts (Phi-3, Phi-4-multimodal).
 _FUSED_TEMPLATE = _TEMPLATE.replace(_PARTS, """\
@@ -205,6 +215,7 @@ class Recognised:
     qk_norms: Optional[str] = None  # the form of :data:`_QK_NORM_TEMPLATES` the forward has (None: the template)
     fused: bool = False  # the forward is :data:`_FUSED_TEMPLATE`'s: one ``qkv_proj``, sliced
     clipped: bool = False  # the forward is one of :data:`_CLIPPED_TEMPLATES`: projections clamped in place
+    global_nope: bool = False  # the forward is :data:`_GLOBAL_NOPE_TEMPLATE`'s: no rotary on global layers
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Recognised again where it is unpickled (code and the forwarded functions do not pickle)."""
@@ -278,12 +289,13 @@ def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.
     return dumps, unify.forwarded, len(kept) < len(statements)
 
 
-#: every recognised form: its source and ``(qk_norms, fused, clipped)`` (see :class:`Recognised`)
+#: every recognised form: its source and ``(qk_norms, fused, clipped, global_nope)`` (see :class:`Recognised`)
 _FORMS = (
-    (_TEMPLATE, (None, False, False)),
-    *((source, (form, False, False)) for form, source in _QK_NORM_TEMPLATES.items()),
-    (_FUSED_TEMPLATE, (None, True, False)),
-    *((source, (form, False, True)) for form, source in _CLIPPED_TEMPLATES.items()),
+    (_TEMPLATE, (None, False, False, False)),
+    *((source, (form, False, False, False)) for form, source in _QK_NORM_TEMPLATES.items()),
+    (_FUSED_TEMPLATE, (None, True, False, False)),
+    *((source, (form, False, True, False)) for form, source in _CLIPPED_TEMPLATES.items()),
+    (_GLOBAL_NOPE_TEMPLATE, ("transposed", False, False, True)),
 )
 
 
@@ -313,7 +325,7 @@ def recognise(cls: type) -> Optional[Recognised]:
     form = next((form for source, form in _FORMS if parsed[0] == _template(source)), None)
     if form is None:
         return None
-    qk_norms, fused, clipped = form
+    qk_norms, fused, clipped, global_nope = form
     if parsed[2] and inner.__globals__.get("nn") is not nn:  # its dropout is not torch's
         return None
     local = {a.arg for a in function.args.args} | {function.args.kwarg.arg} | {
@@ -327,7 +339,7 @@ def recognise(cls: type) -> Optional[Recognised]:
         ast.fix_missing_locations(source)
         forwarded.append((name, eval(compile(source, inspect.getsourcefile(inner) or "<forward>", "eval"),  # noqa: S307
                                      inner.__globals__)))
-    return Recognised(inner.__code__, tuple(forwarded), cls, qk_norms, fused, clipped)
+    return Recognised(inner.__code__, tuple(forwarded), cls, qk_norms, fused, clipped, global_nope)
 
 
 # --------------------------------------------------------------------------------------------
@@ -520,7 +532,9 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
         query, key = call_in(plain, norms[0], query), call_in(plain, norms[1], key)
     cos, sin = rotary
     rotate, mask = namespace["apply_rotary_pos_emb"], arguments.get("attention_mask")
-    if _rotates_in_the_write(rotate, query, key, value, cos, sin, paged):
+    if recognised.global_nope and not (module.sliding_window is None or module.is_sliding):
+        batch = store_step(state, paged, key, value, mask)  # a global layer of a hybrid model: no rotation
+    elif _rotates_in_the_write(rotate, query, key, value, cos, sin, paged):
         batch = store_step(state, paged, key, value, mask, (query, cos, sin))
         query, key = batch.query_states, batch.key_states
     else:

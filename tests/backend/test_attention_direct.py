@@ -333,3 +333,13 @@ def test_projections_clamped_in_place_take_it_bit_for_bit(family, clip_qkv):
     so (OLMoE after its whole-projection norms): the direct path clamps the same tensors."""
     direct, _ = _both_paths_agree(family, clip_qkv=clip_qkv)
     assert recognise(type(_paged(direct)[0])._hw_agnostic_base).clipped
+
+
+@pytest.mark.parametrize("config", [dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+                                    dict(sliding_window=None, layer_types=["full_attention"] * 2)],
+                         ids=["hybrid", "no window"])
+def test_global_layers_without_a_rotary_embedding_take_it_bit_for_bit(config):
+    """Exaone-4 leaves the rotary embedding out on the global layers of a model with sliding ones (read
+    per call from ``self.sliding_window`` / ``self.is_sliding``); a prompt past the window and decode steps."""
+    direct, _ = _both_paths_agree("exaone4", **config)
+    assert recognise(type(_paged(direct)[0])._hw_agnostic_base).global_nope
