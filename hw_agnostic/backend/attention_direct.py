@@ -120,7 +120,19 @@ _PARTS = """\
     key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 """
-#: the template's three part projections as statements whose views are taken apart from the projections
+#: the three part projections whole, before their heads are split off (:data:`_VIEWS`) ...
+_WHOLE = """\
+    query_states = self.q_proj(hidden_states)
+    key_states = self.k_proj(hidden_states)
+    value_states = self.v_proj(hidden_states)
+"""
+#: ... or with the whole q / k projections normed
+_WHOLE_NORMED = """\
+    query_states = self.q_norm(self.q_proj(hidden_states))
+    key_states = self.k_norm(self.k_proj(hidden_states))
+    value_states = self.v_proj(hidden_states)
+"""
+#: the heads split off the whole projections, as statements of their own
 _VIEWS = """\
     query_states = query_states.view(hidden_shape).transpose(1, 2)
     key_states = key_states.view(hidden_shape).transpose(1, 2)
@@ -155,11 +167,7 @@ _QK_NORM_TEMPLATES = {
     key_states = key_states.transpose(1, 2)
     value_states = value_states.transpose(1, 2)
 """),
-    "whole": _TEMPLATE.replace(_PARTS, """\
-    query_states = self.q_norm(self.q_proj(hidden_states))
-    key_states = self.k_norm(self.k_proj(hidden_states))
-    value_states = self.v_proj(hidden_states)
-""" + _VIEWS),
+    "whole": _TEMPLATE.replace(_PARTS, _WHOLE_NORMED + _VIEWS),
 }
 
 #: the in-place clamps of OLMo's and OLMoE's projections, where the config says so
@@ -174,16 +182,8 @@ _CLIP = """\
 #: in place (``config.clip_qkv``) before their heads are split off: OLMo, OLMoE (which spells the views
 #: ``view(*hidden_shape)``), by their q/k norm form.
 _CLIPPED_TEMPLATES = {
-    None: _TEMPLATE.replace(_PARTS, """\
-    query_states = self.q_proj(hidden_states)
-    key_states = self.k_proj(hidden_states)
-    value_states = self.v_proj(hidden_states)
-""" + _CLIP + _VIEWS),
-    "whole": _TEMPLATE.replace(_PARTS, """\
-    query_states = self.q_norm(self.q_proj(hidden_states))
-    key_states = self.k_norm(self.k_proj(hidden_states))
-    value_states = self.v_proj(hidden_states)
-""" + _CLIP + _VIEWS.replace("view(hidden_shape)", "view(*hidden_shape)")),
+    None: _TEMPLATE.replace(_PARTS, _WHOLE + _CLIP + _VIEWS),
+    "whole": _TEMPLATE.replace(_PARTS, _WHOLE_NORMED + _CLIP + _VIEWS.replace("view(hidden_shape)", "view(*hidden_shape)")),
 }
 
 _ROTARY = "    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)\n"

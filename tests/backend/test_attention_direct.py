@@ -63,17 +63,25 @@ def _generate(model, ids, steps=6):
     return out.sequences, torch.stack(out.logits)
 
 
+def _both_paths_agree(rewired):
+    """A prompt and five decode steps of the models ``rewired()`` builds, one through the direct path
+    and one through the general path: every call of the first takes the direct path (two layers,
+    prompt and five steps), and tokens and logits agree bit for bit. Returns the direct model, its
+    counts, tokens and logits."""
+    direct, general = rewired(), _without_direct(rewired())
+    counts = _count_direct(direct)
+    ids = prompt(batch=1, length=14)
+    (got_tokens, got_logits), (want_tokens, want_logits) = _generate(direct, ids), _generate(general, ids)
+    assert counts == {"taken": 2 * 6, "declined": 0}
+    assert torch.equal(got_tokens, want_tokens) and torch.equal(got_logits, want_logits)
+    return direct, counts, got_tokens, got_logits
+
+
 @pytest.mark.parametrize("family", RECOGNISED)
 def test_the_direct_path_computes_what_the_forward_computes_bit_for_bit(family):
     """Prompt and decode steps through both paths: the same tokens and logits, bit for bit, also past
     a sliding window (Mistral, Gemma-2: the window and softcap the forward passes are evaluated)."""
-    direct, general = _rewired(family), _without_direct(_rewired(family))
-    counts = _count_direct(direct)
-    ids = prompt(batch=1, length=14)
-    (got_tokens, got_logits), (want_tokens, want_logits) = _generate(direct, ids), _generate(general, ids)
-    assert counts["taken"] == 2 * 6 and counts["declined"] == 0  # two layers, prompt and five steps
-    assert torch.equal(got_tokens, want_tokens)
-    assert torch.equal(got_logits, want_logits)
+    _, _, got_tokens, got_logits = _both_paths_agree(lambda: _rewired(family))
     with torch.no_grad():
         reference = build(family)(got_tokens[:, :-1]).logits[:, 13:]
     torch.testing.assert_close(got_logits[:, 0], reference[0], rtol=1e-4, atol=1e-4)
@@ -291,22 +299,10 @@ def _rewired_from_config(family, **config):
     return model
 
 
-def _both_paths_agree(family, **config):
-    """A prompt and five decode steps of ``family`` through the direct path and the general one: every
-    call takes the direct path, and tokens and logits agree bit for bit. Returns the direct model and its counts."""
-    direct, general = _rewired_from_config(family, **config), _without_direct(_rewired_from_config(family, **config))
-    counts = _count_direct(direct)
-    ids = prompt(batch=1, length=14)
-    (got_tokens, got_logits), (want_tokens, want_logits) = _generate(direct, ids), _generate(general, ids)
-    assert counts == {"taken": 2 * 6, "declined": 0}
-    assert torch.equal(got_tokens, want_tokens) and torch.equal(got_logits, want_logits)
-    return direct, counts
-
-
 @pytest.mark.parametrize("use_qk_norm", [False, True])
 def test_a_forward_whose_head_norms_a_flag_switches_takes_it_bit_for_bit(use_qk_norm):
     """Cohere's forward norms each part's heads where ``self.use_qk_norm`` says so: read on every call."""
-    direct, counts = _both_paths_agree("cohere", use_qk_norm=use_qk_norm)
+    direct, counts, _, _ = _both_paths_agree(lambda: _rewired_from_config("cohere", use_qk_norm=use_qk_norm))
     attention = _paged(direct)[0]
     assert recognise(type(attention)._hw_agnostic_base).qk_norms == "optional heads"
     if use_qk_norm:  # the flag is read per call: off, the norms are not called
@@ -324,14 +320,14 @@ def test_a_forward_whose_head_norms_a_flag_switches_takes_it_bit_for_bit(use_qk_
 def test_a_forward_dropping_out_its_merged_heads_takes_it_bit_for_bit():
     """Starcoder2's forward drops out the merged heads (``training=self.training``), which outside
     training leaves them as they are: recognised, and both paths give the same tokens and logits."""
-    _both_paths_agree("starcoder2", sliding_window=16, residual_dropout=0.5)
+    _both_paths_agree(lambda: _rewired_from_config("starcoder2", sliding_window=16, residual_dropout=0.5))
 
 
 @pytest.mark.parametrize("family, clip_qkv", [("olmo", None), ("olmo", 0.05), ("olmoe", 0.05)])
 def test_projections_clamped_in_place_take_it_bit_for_bit(family, clip_qkv):
     """OLMo's and OLMoE's forwards clamp the q/k/v projections in place where ``config.clip_qkv`` says
     so (OLMoE after its whole-projection norms): the direct path clamps the same tensors."""
-    direct, _ = _both_paths_agree(family, clip_qkv=clip_qkv)
+    direct, *_ = _both_paths_agree(lambda: _rewired_from_config(family, clip_qkv=clip_qkv))
     assert recognise(type(_paged(direct)[0])._hw_agnostic_base).clipped
 
 
@@ -341,5 +337,5 @@ def test_projections_clamped_in_place_take_it_bit_for_bit(family, clip_qkv):
 def test_global_layers_without_a_rotary_embedding_take_it_bit_for_bit(config):
     """Exaone-4 leaves the rotary embedding out on the global layers of a model with sliding ones (read
     per call from ``self.sliding_window`` / ``self.is_sliding``); a prompt past the window and decode steps."""
-    direct, _ = _both_paths_agree("exaone4", **config)
+    direct, *_ = _both_paths_agree(lambda: _rewired_from_config("exaone4", **config))
     assert recognise(type(_paged(direct)[0])._hw_agnostic_base).global_nope
