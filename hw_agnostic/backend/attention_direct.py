@@ -431,7 +431,22 @@ def _rotates_in_the_write(rotate: Any, query: Tensor, key: Tensor, value: Tensor
             and getattr(sin, "dtype", None) is dtype and (paged.store is None or paged.store.dtype is dtype) and routes(query, key, cos, sin))
 
 
-def _sliced_heads(module: nn.Module, qkv: Tensor, hidden_shape: tuple[int, ...]) -> list[Tensor]:
+def _head_views(merged: Tensor, hidden_shape: tuple[int, ...], heads: tuple[int, ...], plain: bool) -> list[Tensor]:
+    """``merged.view(hidden_shape).transpose(1, 2).split_with_sizes(heads, dim=1)``: the query, key and
+    value heads of a merged projection's output ``[B, T, W]`` (``hidden_shape``: ``(B, T, -1, head_dim)``,
+    every part whole heads). Outside a trace, for a contiguous output, the transposed view is one
+    ``as_strided`` of the same sizes, strides and offset (under ``no_grad`` each view op also records
+    its view: 3 µs a decode layer less in place); a traced call keeps the forward's own ops."""
+    if plain and merged.is_contiguous():
+        batch, tokens, width = merged.shape
+        head_dim = hidden_shape[-1]
+        transposed = merged.as_strided((batch, width // head_dim, tokens, head_dim), (tokens * width, head_dim, width, 1))
+    else:
+        transposed = merged.view(hidden_shape).transpose(1, 2)
+    return transposed.split_with_sizes(heads, dim=1)
+
+
+def _sliced_heads(module: nn.Module, qkv: Tensor, hidden_shape: tuple[int, ...], plain: bool) -> list[Tensor]:
     """The query, key and value heads :data:`_FUSED_TEMPLATE`'s forward slices out of ``qkv`` ``[B, T, W]``.
 
     Where every slice is whole heads of a contiguous ``qkv`` of three dims, the three views of the
@@ -444,7 +459,7 @@ def _sliced_heads(module: nn.Module, qkv: Tensor, hidden_shape: tuple[int, ...])
     if (qkv.dim() == 3 and qkv.is_contiguous() and type(head_dim) is int and head_dim > 0
             and 0 <= query_pos <= key_end <= width and not (query_pos % head_dim or key_end % head_dim or width % head_dim)):
         heads = (query_pos // head_dim, (key_end - query_pos) // head_dim, (width - key_end) // head_dim)
-        return list(qkv.view(hidden_shape).transpose(1, 2).split_with_sizes(heads, dim=1))
+        return list(_head_views(qkv, hidden_shape, heads, plain))
     parts = (qkv[..., :query_pos], qkv[..., query_pos:key_end], qkv[..., key_end:])
     return [part.view(hidden_shape).transpose(1, 2) for part in parts]
 
@@ -502,7 +517,7 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     heads = (_head_counts(type(qkv), qkv.sizes, module.head_dim)
              if hidden.dim() == 3 and not recognised.fused and not whole else None)
     if recognised.fused:
-        query, key, value = _sliced_heads(module, call_in(plain, qkv, hidden), hidden_shape)
+        query, key, value = _sliced_heads(module, call_in(plain, qkv, hidden), hidden_shape, plain)
     elif whole:  # the whole q / k projections normed, clamped in place where the forward does, split into heads
         q, k, v = qkv.forward(hidden)
         if qk_norms == "whole":
@@ -527,7 +542,7 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     else:  # the same three views, made from the merged output at once (3 ATen calls instead of 7)
         (proj,) = own_attributes(qkv, "_modules", _PROJ)
         merged = call_in(plain, proj, hidden)
-        query, key, value = merged.view(hidden_shape).transpose(1, 2).split_with_sizes(heads, dim=1)
+        query, key, value = _head_views(merged, hidden_shape, heads, plain)
     if qk_norms == "transposed":
         query, key = call_in(plain, norms[0], query), call_in(plain, norms[1], key)
     cos, sin = rotary

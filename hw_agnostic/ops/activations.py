@@ -265,12 +265,12 @@ def _build(key: ActKey, config: dict, args: tuple) -> object:
 
     def running(launch: Any) -> Callable[..., Tensor]:
         def run(x: Tensor, *options: object) -> Tensor:
-            out = x.new_empty((*x.shape[:-1], inter))
+            # x's own halves and out stand for the rows' where the launch replays (launch_binding.BoundLaunch.replays)
+            gate, up = _halves(x, inter, interleaved)
+            out = torch.empty_like(gate, memory_format=torch.contiguous_format)  # [..., inter]: the cheapest allocation
             if not x.numel():
                 return out
             alpha, limit = (float(options[0]), float(options[1])) if activation == "swiglu_oai" else (0.0, 0.0)
-            # x's own halves and out stand for the rows' where the launch replays (launch_binding.BoundLaunch.replays)
-            gate, up = _halves(x, inter, interleaved)
             if not replayed(launch, gate, up, out, alpha, limit, activation):
                 gate, up = _halves(x.view(-1, 2 * inter), inter, interleaved)
                 launch(gate, up, out.view(-1, inter), alpha, limit, activation)

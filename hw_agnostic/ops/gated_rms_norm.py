@@ -292,7 +292,7 @@ def _build(key: GatedKey, config: dict, args: tuple) -> object:
     def running(launch: Any) -> Callable[..., Tensor]:
         def run(x: Tensor, gate: Optional[Tensor], weight: Optional[Tensor], eps: float, order: str,
                 group_size: Optional[int], numerics: str, activation: str) -> Tensor:
-            out = torch.empty(x.shape, dtype=key.out_dtype, device=x.device)
+            out = torch.empty_like(x, dtype=key.out_dtype, memory_format=torch.contiguous_format)
             if out.numel():
                 launch(*launch_args(x, gate, weight, out, eps))
             return out

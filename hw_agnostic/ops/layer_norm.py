@@ -367,7 +367,7 @@ def _build_layer_norm(key: LayerNormKey, config: dict, args: tuple) -> object:
 
     def running(launch: Any) -> Callable[..., Tensor]:
         def run(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, numerics: str) -> Tensor:
-            out = torch.empty(x.shape, dtype=key.out_dtype, device=x.device)
+            out = torch.empty_like(x, dtype=key.out_dtype, memory_format=torch.contiguous_format)
             if out.numel():
                 launch(*launch_args(x, weight, bias, out, eps))
             return out
@@ -417,8 +417,8 @@ def _build_fused(key: LayerNormKey, config: dict, args: tuple, *, inplace: bool)
     def running(launch: Any) -> Callable[..., tuple[Tensor, Tensor]]:
         def run(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
                 numerics: str) -> tuple[Tensor, Tensor]:
-            out = torch.empty(x.shape, dtype=key.out_dtype, device=x.device)
-            summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            out = torch.empty_like(x, dtype=key.out_dtype, memory_format=torch.contiguous_format)
+            summed = torch.empty_like(x, memory_format=torch.contiguous_format)
             rows = x.view(-1, hidden)
             if rows.shape[0]:
                 launch(rows, residual.view(-1, hidden), *params(weight, bias), out.view(-1, hidden),

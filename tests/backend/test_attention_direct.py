@@ -15,7 +15,7 @@ from transformers.models.phi3.modeling_phi3 import Phi3Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from hw_agnostic import rewire
-from hw_agnostic.backend.attention_direct import _TEMPLATE, _head_counts, _sliced_heads, recognise
+from hw_agnostic.backend.attention_direct import _TEMPLATE, _head_counts, _head_views, _sliced_heads, recognise
 from hw_agnostic.layers.attention import _STATE, PagedAttention
 from hw_agnostic.layers.qkv import QKVProjection
 
@@ -231,10 +231,15 @@ def test_the_heads_are_the_views_the_forward_makes_of_each_part():
     hidden = torch.randn(2, 5, qkv.proj.in_features)
     with torch.no_grad():
         merged = qkv.proj(hidden)
-        got = merged.view(2, 5, -1, head_dim).transpose(1, 2).split_with_sizes(heads, dim=1)
-        want = [part.view(2, 5, -1, head_dim).transpose(1, 2) for part in merged.split_with_sizes(qkv.sizes, dim=-1)]
-    for g, w in zip(got, want):
-        assert (g.data_ptr(), g.shape, g.stride()) == (w.data_ptr(), w.shape, w.stride())
+        width = merged.shape[-1]
+        # the projection's output, one at an offset into a larger buffer, one not contiguous
+        for output in (merged, torch.randn(3, 2, 5, width)[1], torch.randn(5, 2, width).transpose(0, 1)):
+            want = [part.view(2, 5, -1, head_dim).transpose(1, 2) for part in output.split_with_sizes(qkv.sizes, -1)]
+            for plain in (True, False):  # as_strided outside a trace, the forward's ops inside one
+                got = _head_views(output, (2, 5, -1, head_dim), heads, plain)
+                for g, w in zip(got, want, strict=True):
+                    assert (g.data_ptr(), g.shape, g.stride()) == (w.data_ptr(), w.shape, w.stride())
+                    assert g._base is (output if output._base is None else output._base)
     assert _head_counts(type(qkv), (64, 48, 48), 32) is None  # a part of no whole number of heads
 
 
@@ -281,15 +286,16 @@ def test_a_fused_projection_is_called_as_a_module_and_sliced_as_the_forward_slic
     for qkv in (torch.randn(2, 5, width), torch.randn(5, 2, width).transpose(0, 1),  # contiguous, or not
                 torch.randn(2, 5, width + head_dim // 2)):  # a value slice of no whole number of heads
         shape = (2, 5, -1, head_dim)
-        try:
-            want = forwards(qkv, shape)
-        except RuntimeError as error:  # the forward's own view fails: so does the direct path's
-            with pytest.raises(RuntimeError, match=re.escape(str(error))):
-                _sliced_heads(attention, qkv, shape)
-            continue
-        got = _sliced_heads(attention, qkv, shape)
-        for g, w in zip(got, want):
-            assert (g.data_ptr(), g.shape, g.stride()) == (w.data_ptr(), w.shape, w.stride())
+        for plain in (True, False):
+            try:
+                want = forwards(qkv, shape)
+            except RuntimeError as error:  # the forward's own view fails: so does the direct path's
+                with pytest.raises(RuntimeError, match=re.escape(str(error))):
+                    _sliced_heads(attention, qkv, shape, plain)
+                continue
+            got = _sliced_heads(attention, qkv, shape, plain)
+            for g, w in zip(got, want, strict=True):
+                assert (g.data_ptr(), g.shape, g.stride()) == (w.data_ptr(), w.shape, w.stride())
 
 
 def _rewired_from_config(family, **config):
