@@ -53,6 +53,27 @@ def test_a_steps_metadata_is_computed_once_for_all_layers(metadata_calls, padded
     assert len(lengths) == 1  # every layer holds the same lengths tensor
 
 
+def test_unpadded_steps_share_their_layout_and_slot_base_across_steps():
+    """A step without padding lays out as every other (the same offsets and query offsets): the share
+    keeps the layout and each token's slot before its row's length, so a decode step computes only
+    its slots and lengths; the slots are what the per-step computation gives."""
+    store = paged.PagedKVCache(2, 2, 16, block_size=4, dtype=torch.float32, device=torch.device("cpu"))
+    key = torch.randn(2, 3, 2, 16)
+    store.append(key, key)
+    computed, growths = store.share.computed, 0
+    for step in range(12):  # past the share's capacity: the entries every step reads stay
+        growths += store.seen + 1 > store.blocks_per_row * store.block_size
+        kv_lens, token = store.kv_lens, torch.randn(2, 1, 2, 16)
+        store.append(token, token)  # growing the pages first where the step needs more: new row starts
+        want = paged._slots(paged._step_layout(None, 1, 2, token.device), kv_lens, store._row_start).reshape(-1)
+        step_entries = [value for _, value in store.share._entries.values() if isinstance(value, paged.StepMetadata)]
+        assert torch.equal(step_entries[-1].slots, want), step
+        assert torch.equal(store.k_pages.view(-1, 2, 16)[want], token.view(-1, 2, 16))
+    # each step computed its metadata; the one-token layout once; the slot base once, and again with
+    # the block layout of each growth of the pages (which is computed too)
+    assert growths and store.share.computed - computed == 12 + 1 + (1 + growths) + growths
+
+
 def test_layers_sharing_lengths_crop_and_reorder_alike():
     """Nothing writes the shared lengths in place: cropping or reordering the cache gives every layer
     its own correct view, as transformers' cache would."""

@@ -247,7 +247,8 @@ class PagedKVCache:
         assert self._row_start is not None and self.block_table is not None
         step = self.share.once(
             ("append", self.kv_lens, self._row_start, real, q_len, self.real, self.seen),
-            lambda: _step_metadata(self.kv_lens, self._row_start, real, q_len, self.real, self.seen, self.device))
+            lambda: _step_metadata(self.share, self.kv_lens, self._row_start, real, q_len, self.real, self.seen,
+                                   self.device))
         rotated = self._write(key, value, step.slots, rotary)
         self.kv_lens, self.real = step.kv_lens, step.real
         self.seen += q_len
@@ -491,11 +492,20 @@ def _slots(layout: StepLayout, kv_lens: Tensor, row_start: Tensor) -> Tensor:
     return torch.where(layout.real, row_start[:, None] + (kv_lens[:, None].long() + layout.offsets), -1)
 
 
-def _step_metadata(kv_lens: Tensor, row_start: Tensor, real: Optional[Tensor], q_len: int,
+def _step_metadata(share: StepShare, kv_lens: Tensor, row_start: Tensor, real: Optional[Tensor], q_len: int,
                    seen_real: Optional[Tensor], seen: int, device: torch.device) -> StepMetadata:
     batch_size = kv_lens.shape[0]
-    layout = _step_layout(real, q_len, batch_size, device)
-    slots, lengths = _slots(layout, kv_lens, row_start), kv_lens + layout.counts
+    if real is None:
+        # A step without padding (every decode step of unpadded rows): its layout, and each token's
+        # slot before the row's length is added, are the same at every step (kept by the share).
+        layout = share.once(("step layout", None, q_len, batch_size, device),
+                            lambda: _step_layout(None, q_len, batch_size, device))
+        base = share.once(("slot base", layout, row_start), lambda: row_start[:, None] + layout.offsets)
+        slots = base + kv_lens[:, None]
+    else:
+        layout = _step_layout(real, q_len, batch_size, device)
+        slots = _slots(layout, kv_lens, row_start)
+    lengths = kv_lens + layout.counts
     # Which positions are real, kept once a step has padding (for crop and for reading back).
     known = seen_real
     if layout.real is not None or known is not None:
@@ -519,7 +529,7 @@ class StepShare:
     Those inputs are the key: tensors by identity (a layer's lengths are the very tensor the
     share handed every layer at the previous step, and nothing writes them in place), other
     values by value. The last :attr:`KEPT` results are kept (holding their inputs, so no other
-    tensor can take an identity while its entry lives).
+    tensor can take an identity while its entry lives), the least recently used dropped first.
     """
 
     KEPT = 8
@@ -546,8 +556,9 @@ class StepShare:
                         (id(x), x._version) if isinstance(x, Tensor) else id(x) for x in inputs)
         else:
             key = tuple(x if isinstance(x, _SHARED_BY_VALUE) else id(x) for x in inputs)
-        found = self._entries.get(key)
+        found = self._entries.pop(key, None)
         if found is not None:
+            self._entries[key] = found  # the most recently used last: what every step reads stays
             return found[1]
         value = compute()
         self.computed += 1
