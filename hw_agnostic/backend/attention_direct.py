@@ -24,9 +24,11 @@ after the heads are merged, which leaves them as they are outside training, wher
 never runs; it is left out of the comparison (:func:`_is_output_dropout`) where ``nn`` is torch's.
 OLMo and OLMoE (after its whole-projection norms) clamp the projections in place where
 ``config.clip_qkv`` says so, before splitting them into heads (:data:`_CLIPPED_TEMPLATES`); the direct
-path clamps the same tensors. Exaone-4 norms the transposed heads and leaves the rotary embedding out
-on the global layers of a model with sliding ones (:data:`_GLOBAL_NOPE_TEMPLATE`); the direct path
-reads ``self.sliding_window`` and ``self.is_sliding`` on every call, as the forward does.
+path clamps the same tensors. Exaone-4, Cohere-2 and SmolLM3 apply the rotary embedding under a test
+of the module's own attributes (Exaone-4, which also norms the transposed heads: not on the global
+layers of a model with sliding ones; Cohere-2: on the sliding layers alone; SmolLM3: the layers that
+``use_rope``); any form above is recognised so (:data:`_CONDITIONAL_ROTARY`), and the direct path
+evaluates the forward's own test on every call, where the forward does.
 
 A paged module (:class:`~hw_agnostic.layers.PagedAttention`) runs that forward with its cache bound
 to a paged view and its attention function dispatched by name: three projection-part calls, the
@@ -187,12 +189,17 @@ _CLIPPED_TEMPLATES = {
 }
 
 _ROTARY = "    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)\n"
-#: Exaone-4's form: the transposed heads' norms, and no rotary embedding on the global layers of a
-#: model with sliding ones (``self.sliding_window`` set, ``self.is_sliding`` false), read on every call.
-_GLOBAL_NOPE_TEMPLATE = _QK_NORM_TEMPLATES["transposed"].replace(_ROTARY, """\
-    if self.sliding_window is None or self.is_sliding:
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-""")
+_UNPACK = "    cos, sin = position_embeddings\n"
+#: what stands for the test of an ``if`` around the rotary embedding (see :class:`_Unify`)
+_CONDITION = "__rotary_condition__"
+#: A form's rotary embedding applied only where a test of the module's own attributes holds, read on
+#: every call, with the rotary tables unpacked before the test (Exaone-4: not on the global layers of a
+#: model with sliding ones; Cohere-2: on the sliding layers alone) or inside it (SmolLM3: the layers
+#: that ``use_rope``). Each form of :data:`_FORMS` is recognised with either.
+_CONDITIONAL_ROTARY = (
+    (_UNPACK + _ROTARY, _UNPACK + f"    if {_CONDITION}:\n    " + _ROTARY),
+    (_UNPACK + _ROTARY, f"    if {_CONDITION}:\n    " + _UNPACK + "    " + _ROTARY),
+)
 
 #: The template with one projection of q, k and v together, ``qkv_proj``, sliced by the config's head
 #: counts (Phi-3, Phi-4-multimodal).
@@ -215,7 +222,8 @@ class Recognised:
     qk_norms: Optional[str] = None  # the form of :data:`_QK_NORM_TEMPLATES` the forward has (None: the template)
     fused: bool = False  # the forward is :data:`_FUSED_TEMPLATE`'s: one ``qkv_proj``, sliced
     clipped: bool = False  # the forward is one of :data:`_CLIPPED_TEMPLATES`: projections clamped in place
-    global_nope: bool = False  # the forward is :data:`_GLOBAL_NOPE_TEMPLATE`'s: no rotary on global layers
+    # the test of ``self`` the forward applies its rotary embedding under (:data:`_CONDITIONAL_ROTARY`; None: always)
+    rotary_condition: Optional[Callable[[nn.Module], Any]] = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Recognised again where it is unpickled (code and the forwarded functions do not pickle)."""
@@ -229,6 +237,7 @@ class _Unify(ast.NodeTransformer):
     def __init__(self, cache_name: str) -> None:
         self.cache_name = cache_name
         self.forwarded: dict[str, ast.expr] = {}
+        self.rotary_condition: Optional[ast.expr] = None
 
     def visit_Name(self, node: ast.Name) -> ast.Name:
         return ast.Name(id="cache", ctx=node.ctx) if node.id == self.cache_name else node
@@ -237,6 +246,16 @@ class _Unify(ast.NodeTransformer):
         if node.value is None or not node.simple:
             return node
         return self.generic_visit(ast.Assign(targets=[node.target], value=node.value))
+
+    def visit_If(self, node: ast.If) -> ast.AST:
+        """An ``if`` whose body applies the rotary embedding (and maybe unpacks its tables first), with
+        no ``else``: its test set aside as :data:`_CONDITION` (:func:`recognise` evaluates it apart)."""
+        self.generic_visit(node)
+        body = [ast.dump(statement) for statement in node.body]
+        if not node.orelse and body and body[-1] == _statement(_ROTARY) and body[:-1] in ([], [_statement(_UNPACK)]):
+            self.rotary_condition = node.test
+            node.test = ast.Name(id=_CONDITION, ctx=ast.Load())
+        return node
 
     def visit_Call(self, node: ast.Call) -> ast.Call:
         self.generic_visit(node)
@@ -257,6 +276,11 @@ def _expression(source: str) -> str:
     return ast.dump(ast.parse(source, mode="eval").body)
 
 
+@functools.lru_cache(maxsize=None)
+def _statement(source: str) -> str:
+    return ast.dump(ast.parse(textwrap.dedent(source)).body[0])
+
+
 def _is_output_dropout(statement: ast.stmt) -> bool:
     """Whether ``statement`` is ``attn_output = nn.functional.dropout(attn_output, p=..., training=self.training)``
     (Starcoder2, Seed-OSS): the merged heads as they are outside training, where the direct path never runs."""
@@ -270,10 +294,11 @@ def _is_output_dropout(statement: ast.stmt) -> bool:
             and set(keywords) == {"p", "training"} and ast.dump(keywords["training"]) == _expression("self.training"))
 
 
-def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.expr], bool]]:
-    """The unified statements of ``function`` (see :class:`_Unify`), its forwarded keywords and
-    whether it drops out its merged heads (:func:`_is_output_dropout`, a statement left out of the
-    others); None when its parameters are not the template's."""
+def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.expr], bool, Optional[ast.expr]]]:
+    """The unified statements of ``function`` (see :class:`_Unify`), its forwarded keywords, whether
+    it drops out its merged heads (:func:`_is_output_dropout`, a statement left out of the others)
+    and the test its rotary embedding is applied under (None: none); None when its parameters are
+    not the template's."""
     args = function.args
     names = [a.arg for a in args.args]
     if (args.vararg or args.kwonlyargs or args.posonlyargs or args.kwarg is None or len(names) != 5
@@ -286,16 +311,23 @@ def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.
     kept = [statement for statement in statements if not _is_output_dropout(statement)]
     unify = _Unify(names[4])
     dumps = [ast.dump(unify.visit(statement)) for statement in kept]
-    return dumps, unify.forwarded, len(kept) < len(statements)
+    return dumps, unify.forwarded, len(kept) < len(statements), unify.rotary_condition
 
 
-#: every recognised form: its source and ``(qk_norms, fused, clipped, global_nope)`` (see :class:`Recognised`)
+#: every recognised form but a conditional rotary embedding's: its source and ``(qk_norms, fused, clipped)``
+#: (see :class:`Recognised`)
+_BASE_FORMS = (
+    (_TEMPLATE, (None, False, False)),
+    *((source, (form, False, False)) for form, source in _QK_NORM_TEMPLATES.items()),
+    (_FUSED_TEMPLATE, (None, True, False)),
+    *((source, (form, False, True)) for form, source in _CLIPPED_TEMPLATES.items()),
+)
+#: every recognised form: its source, its ``(qk_norms, fused, clipped)`` and whether its rotary
+#: embedding is applied under a test (:data:`_CONDITIONAL_ROTARY`)
 _FORMS = (
-    (_TEMPLATE, (None, False, False, False)),
-    *((source, (form, False, False, False)) for form, source in _QK_NORM_TEMPLATES.items()),
-    (_FUSED_TEMPLATE, (None, True, False, False)),
-    *((source, (form, False, True, False)) for form, source in _CLIPPED_TEMPLATES.items()),
-    (_GLOBAL_NOPE_TEMPLATE, ("transposed", False, False, True)),
+    *((source, form, False) for source, form in _BASE_FORMS),
+    *((source.replace(always, conditional), form, True) for source, form in _BASE_FORMS
+      for always, conditional in _CONDITIONAL_ROTARY if always in source),
 )
 
 
@@ -322,24 +354,26 @@ def recognise(cls: type) -> Optional[Recognised]:
     parsed = _body(function)
     if parsed is None:
         return None
-    form = next((form for source, form in _FORMS if parsed[0] == _template(source)), None)
-    if form is None:
+    found = next(((form, conditional) for source, form, conditional in _FORMS if parsed[0] == _template(source)), None)
+    if found is None:
         return None
-    qk_norms, fused, clipped, global_nope = form
+    (qk_norms, fused, clipped), conditional = found
     if parsed[2] and inner.__globals__.get("nn") is not nn:  # its dropout is not torch's
         return None
     local = {a.arg for a in function.args.args} | {function.args.kwarg.arg} | {
         n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    forwarded = []
-    for name, expression in parsed[1].items():
+    expressions = [*parsed[1].items(), *([("rotary condition", parsed[3])] if conditional else [])]
+    evaluated = []
+    for name, expression in expressions:
         if any(isinstance(n, ast.Name) and n.id in local - {"self"} for n in ast.walk(expression)):
             return None  # evaluated apart from the forward's frame: ``self`` and globals only
         source = ast.Expression(body=ast.Lambda(args=ast.arguments(
             posonlyargs=[], args=[ast.arg(arg="self")], kwonlyargs=[], kw_defaults=[], defaults=[]), body=expression))
         ast.fix_missing_locations(source)
-        forwarded.append((name, eval(compile(source, inspect.getsourcefile(inner) or "<forward>", "eval"),  # noqa: S307
+        evaluated.append((name, eval(compile(source, inspect.getsourcefile(inner) or "<forward>", "eval"),  # noqa: S307
                                      inner.__globals__)))
-    return Recognised(inner.__code__, tuple(forwarded), cls, qk_norms, fused, clipped, global_nope)
+    condition = evaluated.pop()[1] if conditional else None
+    return Recognised(inner.__code__, tuple(evaluated), cls, qk_norms, fused, clipped, condition)
 
 
 # --------------------------------------------------------------------------------------------
@@ -547,8 +581,8 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
         query, key = call_in(plain, norms[0], query), call_in(plain, norms[1], key)
     cos, sin = rotary
     rotate, mask = namespace["apply_rotary_pos_emb"], arguments.get("attention_mask")
-    if recognised.global_nope and not (module.sliding_window is None or module.is_sliding):
-        batch = store_step(state, paged, key, value, mask)  # a global layer of a hybrid model: no rotation
+    if recognised.rotary_condition is not None and not recognised.rotary_condition(module):
+        batch = store_step(state, paged, key, value, mask)  # the forward's test says: no rotation
     elif _rotates_in_the_write(rotate, query, key, value, cos, sin, paged):
         batch = store_step(state, paged, key, value, mask, (query, cos, sin))
         query, key = batch.query_states, batch.key_states

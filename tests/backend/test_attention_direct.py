@@ -337,11 +337,28 @@ def test_projections_clamped_in_place_take_it_bit_for_bit(family, clip_qkv):
     assert recognise(type(_paged(direct)[0])._hw_agnostic_base).clipped
 
 
-@pytest.mark.parametrize("config", [dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
-                                    dict(sliding_window=None, layer_types=["full_attention"] * 2)],
-                         ids=["hybrid", "no window"])
-def test_global_layers_without_a_rotary_embedding_take_it_bit_for_bit(config):
-    """Exaone-4 leaves the rotary embedding out on the global layers of a model with sliding ones (read
-    per call from ``self.sliding_window`` / ``self.is_sliding``); a prompt past the window and decode steps."""
-    direct, *_ = _both_paths_agree(lambda: _rewired_from_config("exaone4", **config))
-    assert recognise(type(_paged(direct)[0])._hw_agnostic_base).global_nope
+@pytest.mark.parametrize("family, config", [
+    ("exaone4", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    ("exaone4", dict(sliding_window=None, layer_types=["full_attention"] * 2)),
+    ("cohere2", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    ("smollm3", dict(no_rope_layers=[1, 0])),
+], ids=["exaone4-hybrid", "exaone4-no-window", "cohere2-hybrid", "smollm3-nope-layer"])
+def test_a_rotary_embedding_applied_under_a_test_takes_it_bit_for_bit(family, config):
+    """Forwards that rotate q / k only where a test of the module says so, read per call: Exaone-4
+    not on the global layers of a model with sliding ones, Cohere-2 on the sliding layers alone,
+    SmolLM3 on the layers that ``use_rope``; a prompt past the window and decode steps."""
+    direct, *_ = _both_paths_agree(lambda: _rewired_from_config(family, **config))
+    assert recognise(type(_paged(direct)[0])._hw_agnostic_base).rotary_condition is not None
+
+
+def test_the_rotary_test_is_read_on_every_call():
+    """SmolLM3's ``use_rope`` switched off on a module after rewiring: the direct path follows the flag
+    as the forward does (both paths agree), and the switch changes what the model computes."""
+    def switched():
+        model = _rewired_from_config("smollm3", no_rope_layers=[1, 1])
+        _paged(model)[1].use_rope = False
+        return model
+
+    direct, _, _, logits = _both_paths_agree(switched)
+    unswitched = _without_direct(_rewired_from_config("smollm3", no_rope_layers=[1, 1]))
+    assert not torch.equal(_generate(unswitched, prompt(batch=1, length=14))[1], logits)
