@@ -1,12 +1,12 @@
 """The direct path of paged attention modules whose forward is the common Hugging Face one.
 
 About forty families (Llama, Gemma, Granite, GLM-4, Helium, Ernie-4.5, Qwen2-MoE, ...,
-and with the sliding window or softcap they pass their attention function, Mistral, Mixtral,
-Qwen2, Gemma-2) share one attention forward, statement for statement:
+and with the sliding window, softcap or attention sinks they pass their attention function,
+Mistral, Mixtral, Qwen2, Gemma-2, GPT-OSS) share one attention forward, statement for statement:
 
     split q / k / v into heads; apply_rotary_pos_emb(q, k, cos, sin);
     cache.update(k, v, self.layer_idx, ...); attention_interface(self, q, k, v, attention_mask,
-    scaling=self.scaling, [dropout=..., sliding_window=..., softcap=...], **kwargs);
+    scaling=self.scaling, [dropout=..., sliding_window=..., softcap=..., s_aux=...], **kwargs);
     merge the heads; o_proj.
 
 Qwen3 and its kin (Qwen3-MoE, Qwen3-VL, dots1, Mellum: 9 more classes) run the same forward with
@@ -39,7 +39,7 @@ process, three runs; about 10% of a layer).
 
 For a module whose class forward *is* that code (its syntax tree equal to :data:`_TEMPLATE`'s,
 statement by statement, once the cache parameter's name is unified, annotations dropped and the
-attention call's ``dropout``, ``sliding_window`` and ``softcap`` keywords set aside),
+attention call's ``dropout``, ``sliding_window``, ``softcap`` and ``s_aux`` keywords set aside),
 :func:`direct_forward` makes the same calls itself: the merged q/k/v projection's forward once
 (what its parts call; where that forward is :class:`QKVProjection`'s own and every part is whole
 heads, its linear layer, the heads split off with one view, one transpose and one split), the
@@ -48,7 +48,7 @@ would run ``rotary_embedding``, the step's write rotates instead, ``rotary_write
 bits in one launch instead of two), the step's write into the paged view and the attention function's work
 (:func:`~hw_agnostic.backend.attention.store_step` and
 :func:`~hw_agnostic.backend.attention.attend_paged`, which the general path runs too: padding read
-from the mask, the mask checked against the kernel's), with the window and softcap the forward's
+from the mask, the mask checked against the kernel's), with the window, softcap and sinks the forward's
 keywords evaluate to, then ``o_proj``. The tests run both paths on the recognised families and
 compare them bit for bit.
 
@@ -90,7 +90,7 @@ from .attention import (
 
 #: the attention call's keywords the direct path evaluates; ``dropout`` is set aside (no call in
 #: training takes the direct path), any other keyword leaves the forward unrecognised
-_FORWARDED = ("sliding_window", "softcap")
+_FORWARDED = ("sliding_window", "softcap", "s_aux")
 #: keywords of a call that the forward would pass on to the attention function, which reads them
 _PASSED_ON = ("sliding_window", "softcap", "s_aux")
 #: a call's arguments the forward takes by name (the rest reach the attention function as ``**kwargs``)

@@ -197,6 +197,7 @@ def test_only_the_template_forward_is_recognised(tmp_path):
     extra_statement = template.replace("value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
                                        "value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2) * 2")
     sinks = template.replace("scaling=self.scaling,", "scaling=self.scaling, s_aux=self.sinks,")
+    other_keyword = template.replace("scaling=self.scaling,", "scaling=self.scaling, value_scale=self.value_scale,")
     q_norm_only = template.replace("query_states = self.q_proj(hidden_states).view(hidden_shape)",
                                    "query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape))")
     window = template.replace("scaling=self.scaling,", "scaling=self.scaling, sliding_window=self.window,")
@@ -204,10 +205,11 @@ def test_only_the_template_forward_is_recognised(tmp_path):
     dropout = template.replace(merged, merged + "    attn_output = nn.functional.dropout(attn_output, p=self.p, "
                                                "training=self.training)\n")
     dropout_in_training = dropout.replace("training=self.training", "training=True")
-    assert len({template, extra_statement, sinks, window, q_norm_only, dropout, dropout_in_training}) == 7
+    assert len({template, extra_statement, sinks, other_keyword, window, q_norm_only, dropout,
+                dropout_in_training}) == 8
     found = {}
     for name, source in (("template", template), ("scaled values", extra_statement), ("sinks", sinks),
-                         ("window", window), ("q norm only", q_norm_only), ("dropout", dropout),
+                         ("other keyword", other_keyword), ("window", window), ("q norm only", q_norm_only), ("dropout", dropout),
                          ("dropout in training", dropout_in_training)):
         path = tmp_path / f"{name.replace(' ', '_')}.py"  # inspect.getsource reads the forward's file
         path.write_text(textwrap.dedent(source))
@@ -216,8 +218,9 @@ def test_only_the_template_forward_is_recognised(tmp_path):
         found[name] = recognise(type(name.title().replace(" ", ""), (modeling_llama.LlamaAttention,),
                                      {"forward": namespace["forward"]}))
     assert found["template"] is not None and not found["template"].forwarded
-    assert found["scaled values"] is None and found["sinks"] is None and found["q norm only"] is None
+    assert found["scaled values"] is None and found["other keyword"] is None and found["q norm only"] is None
     assert found["window"] is not None and [name for name, _ in found["window"].forwarded] == ["sliding_window"]
+    assert found["sinks"] is not None and [name for name, _ in found["sinks"].forwarded] == ["s_aux"]
     assert found["dropout"] is not None and found["dropout in training"] is None
 
 
@@ -362,3 +365,17 @@ def test_the_rotary_test_is_read_on_every_call():
     direct, _, _, logits = _both_paths_agree(switched)
     unswitched = _without_direct(_rewired_from_config("smollm3", no_rope_layers=[1, 1]))
     assert not torch.equal(_generate(unswitched, prompt(batch=1, length=14))[1], logits)
+
+def test_attention_sinks_passed_as_a_keyword_take_it_bit_for_bit():
+    """GPT-OSS passes its attention sinks (``s_aux=self.sinks``) with its window: evaluated per call
+    and read by the kernel, on a hybrid of sliding and full layers; a prompt past the window."""
+    def gpt_oss():
+        model = _rewired_from_config("gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                     sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+        for attention in _paged(model):  # sinks that matter (they start at zero)
+            attention.sinks.data.normal_()
+        return model
+
+    direct, *_ = _both_paths_agree(gpt_oss)
+    assert [name for name, _ in recognise(type(_paged(direct)[0])._hw_agnostic_base).forwarded] == [
+        "sliding_window", "s_aux"]
