@@ -14,7 +14,9 @@ per-head norms of the queries and keys before the rotary embedding, ``self.q_nor
 ``self.k_norm(...)`` of each part's ``[B, T, H, D]`` heads; Gemma-3, Apertus, HY-V3 and T5Gemma-2's
 self-attention (5 more) norm the transposed heads in statements of their own; Cohere and GLM-4-MoE
 (2 more) each part's heads where ``self.use_qk_norm`` says so, read on every call; OLMo-2, OLMo-3,
-FlexOlmo and MiniMax-M2 (4 more) the whole q and k projections before splitting them into heads
+FlexOlmo and MiniMax-M2 (4 more) the whole q and k projections before splitting them into heads;
+NanoChat and HunYuan (4 more, HunYuan's norms named ``query_layernorm`` / ``key_layernorm``) the
+heads after the rotary embedding, which the step's write then stores as they are
 (:data:`_QK_NORM_TEMPLATES`). The direct path calls those two modules (their hooks too) on the
 same tensors. Phi-3 and Phi-4-multimodal project q, k and v in one ``qkv_proj`` and slice it by
 the config's head counts (:data:`_FUSED_TEMPLATE`); the direct path calls that module as a module
@@ -146,7 +148,9 @@ _VIEWS = """\
 #: its derivatives, dots1, Mellum); ``"transposed"``, to the transposed ``[B, H, T, D]`` heads, as
 #: statements of their own (Gemma-3, Apertus, HY-V3); ``"optional heads"``, as ``"heads"`` where
 #: ``self.use_qk_norm`` is true, in statements of their own (Cohere, GLM-4-MoE); ``"whole"``, to the
-#: whole q and k projections before their heads are split off (OLMo-2).
+#: whole q and k projections before their heads are split off (OLMo-2); and after the rotary
+#: embedding, ``"after rotary"``, to the rotated heads (NanoChat; HunYuan, whose norms are
+#: ``query_layernorm`` / ``key_layernorm``: :data:`_NORM_NAMES`).
 _QK_NORM_TEMPLATES = {
     "heads": _TEMPLATE.replace(
         "query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
@@ -170,7 +174,14 @@ _QK_NORM_TEMPLATES = {
     value_states = value_states.transpose(1, 2)
 """),
     "whole": _TEMPLATE.replace(_PARTS, _WHOLE_NORMED + _VIEWS),
+    "after rotary": _TEMPLATE.replace(
+        "    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)\n",
+        "    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)\n"
+        "    query_states = self.q_norm(query_states)\n"
+        "    key_states = self.k_norm(key_states)\n"),
 }
+#: the names a forward may call its q / k norms by, as the templates call them
+_NORM_NAMES = {"query_layernorm": "q_norm", "key_layernorm": "k_norm"}
 
 #: the in-place clamps of OLMo's and OLMoE's projections, where the config says so
 _CLIP = """\
@@ -224,6 +235,7 @@ class Recognised:
     clipped: bool = False  # the forward is one of :data:`_CLIPPED_TEMPLATES`: projections clamped in place
     # the test of ``self`` the forward applies its rotary embedding under (:data:`_CONDITIONAL_ROTARY`; None: always)
     rotary_condition: Optional[Callable[[nn.Module], Any]] = None
+    norm_names: tuple[str, str] = ("q_norm", "k_norm")  # the children the forward calls its q / k norms
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Recognised again where it is unpickled (code and the forwarded functions do not pickle)."""
@@ -238,6 +250,16 @@ class _Unify(ast.NodeTransformer):
         self.cache_name = cache_name
         self.forwarded: dict[str, ast.expr] = {}
         self.rotary_condition: Optional[ast.expr] = None
+        self.norm_names: dict[str, set[str]] = {}  # each template norm name: the names the forward calls it by
+
+    def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
+        self.generic_visit(node)
+        if isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr in ("q_norm", "k_norm",
+                                                                                            *_NORM_NAMES):
+            unified = _NORM_NAMES.get(node.attr, node.attr)
+            self.norm_names.setdefault(unified, set()).add(node.attr)
+            return ast.Attribute(value=node.value, attr=unified, ctx=node.ctx)
+        return node
 
     def visit_Name(self, node: ast.Name) -> ast.Name:
         return ast.Name(id="cache", ctx=node.ctx) if node.id == self.cache_name else node
@@ -294,11 +316,12 @@ def _is_output_dropout(statement: ast.stmt) -> bool:
             and set(keywords) == {"p", "training"} and ast.dump(keywords["training"]) == _expression("self.training"))
 
 
-def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.expr], bool, Optional[ast.expr]]]:
+def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.expr], bool, Optional[ast.expr],
+                                                        dict[str, set[str]]]]:
     """The unified statements of ``function`` (see :class:`_Unify`), its forwarded keywords, whether
-    it drops out its merged heads (:func:`_is_output_dropout`, a statement left out of the others)
-    and the test its rotary embedding is applied under (None: none); None when its parameters are
-    not the template's."""
+    it drops out its merged heads (:func:`_is_output_dropout`, a statement left out of the others),
+    the test its rotary embedding is applied under (None: none) and the names it calls its q / k
+    norms by; None when its parameters are not the template's."""
     args = function.args
     names = [a.arg for a in args.args]
     if (args.vararg or args.kwonlyargs or args.posonlyargs or args.kwarg is None or len(names) != 5
@@ -311,7 +334,7 @@ def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.
     kept = [statement for statement in statements if not _is_output_dropout(statement)]
     unify = _Unify(names[4])
     dumps = [ast.dump(unify.visit(statement)) for statement in kept]
-    return dumps, unify.forwarded, len(kept) < len(statements), unify.rotary_condition
+    return dumps, unify.forwarded, len(kept) < len(statements), unify.rotary_condition, unify.norm_names
 
 
 #: every recognised form but a conditional rotary embedding's: its source and ``(qk_norms, fused, clipped)``
@@ -358,6 +381,9 @@ def recognise(cls: type) -> Optional[Recognised]:
     if found is None:
         return None
     (qk_norms, fused, clipped), conditional = found
+    if any(len(names) > 1 for names in parsed[4].values()):
+        return None  # two modules it calls by one name of the templates'
+    norm_names = (next(iter(parsed[4].get("q_norm", {"q_norm"}))), next(iter(parsed[4].get("k_norm", {"k_norm"}))))
     if parsed[2] and inner.__globals__.get("nn") is not nn:  # its dropout is not torch's
         return None
     local = {a.arg for a in function.args.args} | {function.args.kwarg.arg} | {
@@ -373,16 +399,16 @@ def recognise(cls: type) -> Optional[Recognised]:
         evaluated.append((name, eval(compile(source, inspect.getsourcefile(inner) or "<forward>", "eval"),  # noqa: S307
                                      inner.__globals__)))
     condition = evaluated.pop()[1] if conditional else None
-    return Recognised(inner.__code__, tuple(evaluated), cls, qk_norms, fused, clipped, condition)
+    return Recognised(inner.__code__, tuple(evaluated), cls, qk_norms, fused, clipped, condition, norm_names)
 
 
 # --------------------------------------------------------------------------------------------
 # the call
 
 
-def _qk_norms(children: dict[str, Optional[nn.Module]]) -> Optional[tuple[nn.Module, nn.Module]]:
-    """The modules the forward calls as ``self.q_norm`` / ``self.k_norm`` (None: one is not a child module)."""
-    q_norm, k_norm = children.get("q_norm"), children.get("k_norm")
+def _qk_norms(children: dict[str, Optional[nn.Module]], names: tuple[str, str]) -> Optional[tuple[nn.Module, nn.Module]]:
+    """The modules the forward calls as ``self.<names>`` (None: one is not a child module)."""
+    q_norm, k_norm = children.get(names[0]), children.get(names[1])
     return (q_norm, k_norm) if isinstance(q_norm, nn.Module) and isinstance(k_norm, nn.Module) else None
 
 
@@ -533,7 +559,7 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
         qkv = qkv if isinstance(qkv, nn.Module) else None
     else:
         qkv = _merged_projection(children)
-    norms = _qk_norms(children) if qk_norms else None
+    norms = _qk_norms(children, recognised.norm_names) if qk_norms else None
     namespace = _namespace(state.base_forward, recognised.code)
     layer_idx = getattr(module, "layer_idx", None)
     if (qkv is None or namespace is None or type(layer_idx) is not int or _mapped_kernel(module)
@@ -581,7 +607,13 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
         query, key = call_in(plain, norms[0], query), call_in(plain, norms[1], key)
     cos, sin = rotary
     rotate, mask = namespace["apply_rotary_pos_emb"], arguments.get("attention_mask")
-    if recognised.rotary_condition is not None and not recognised.rotary_condition(module):
+    rotates = recognised.rotary_condition is None or recognised.rotary_condition(module)
+    if qk_norms == "after rotary":  # the rotated heads normed: the write stores them as they come
+        if rotates:
+            query, key = rotate(query, key, cos, sin)
+        query, key = call_in(plain, norms[0], query), call_in(plain, norms[1], key)
+        batch = store_step(state, paged, key, value, mask)
+    elif not rotates:
         batch = store_step(state, paged, key, value, mask)  # the forward's test says: no rotation
     elif _rotates_in_the_write(rotate, query, key, value, cos, sin, paged):
         batch = store_step(state, paged, key, value, mask, (query, cos, sin))

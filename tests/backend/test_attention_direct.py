@@ -379,3 +379,21 @@ def test_attention_sinks_passed_as_a_keyword_take_it_bit_for_bit():
     direct, *_ = _both_paths_agree(gpt_oss)
     assert [name for name, _ in recognise(type(_paged(direct)[0])._hw_agnostic_base).forwarded] == [
         "sliding_window", "s_aux"]
+
+
+@pytest.mark.parametrize("family, config", [("nanochat", {}), ("hunyuan_v1_dense", dict(head_dim=16))],
+                         ids=["nanochat", "hunyuan_v1_dense"])
+def test_query_and_key_norms_after_the_rotary_embedding_take_it_bit_for_bit(family, config):
+    """NanoChat and HunYuan norm the rotated heads (HunYuan's norms are ``query_layernorm`` /
+    ``key_layernorm``): the direct path rotates, calls those modules on the rotated heads (their
+    hooks too) and writes what they return."""
+    direct, *_ = _both_paths_agree(lambda: _rewired_from_config(family, **config))
+    attention = _paged(direct)[0]
+    recognised = recognise(type(attention)._hw_agnostic_base)
+    assert recognised.qk_norms == "after rotary"
+    q_norm = getattr(attention, recognised.norm_names[0])
+    seen = []
+    q_norm.register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        direct(prompt(batch=1, length=3))
+    assert seen == [(1, direct.config.num_attention_heads, 3, attention.head_dim)]
