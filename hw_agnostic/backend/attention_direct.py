@@ -30,7 +30,11 @@ path clamps the same tensors. Exaone-4, Cohere-2 and SmolLM3 apply the rotary em
 of the module's own attributes (Exaone-4, which also norms the transposed heads: not on the global
 layers of a model with sliding ones; Cohere-2: on the sliding layers alone; SmolLM3: the layers that
 ``use_rope``); any form above is recognised so (:data:`_CONDITIONAL_ROTARY`), and the direct path
-evaluates the forward's own test on every call, where the forward does.
+evaluates the forward's own test on every call, where the forward does. Granite-4.0's hybrid and
+Granite-SWA rotate ``if position_embeddings is not None`` (NoPE models pass none): the direct path
+rotates where the call brings tables and writes the heads as they are where it brings None. The
+parameters may come in any order (Granite-4.0, Mimi), with no default but None: the direct path
+reads its arguments by name.
 
 A paged module (:class:`~hw_agnostic.layers.PagedAttention`) runs that forward with its cache bound
 to a paged view and its attention function dispatched by name: three projection-part calls, the
@@ -236,6 +240,8 @@ class Recognised:
     # the test of ``self`` the forward applies its rotary embedding under (:data:`_CONDITIONAL_ROTARY`; None: always)
     rotary_condition: Optional[Callable[[nn.Module], Any]] = None
     norm_names: tuple[str, str] = ("q_norm", "k_norm")  # the children the forward calls its q / k norms
+    # the forward rotates only where it is given ``position_embeddings`` (``if position_embeddings is not None:``)
+    rotary_optional: bool = False
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Recognised again where it is unpickled (code and the forwarded functions do not pickle)."""
@@ -324,15 +330,18 @@ def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.
     norms by; None when its parameters are not the template's."""
     args = function.args
     names = [a.arg for a in args.args]
+    cache = [name for name in names if name in _CACHE_NAMES]
+    # the template's parameters in any order (the direct path reads its arguments by name), a default only None
     if (args.vararg or args.kwonlyargs or args.posonlyargs or args.kwarg is None or len(names) != 5
-            or names[:4] != ["self", "hidden_states", "position_embeddings", "attention_mask"]
-            or names[4] not in _CACHE_NAMES):
+            or names[0] != "self" or len(cache) != 1
+            or set(names[1:]) != {"hidden_states", "position_embeddings", "attention_mask", cache[0]}
+            or not all(isinstance(default, ast.Constant) and default.value is None for default in args.defaults)):
         return None
     statements = function.body
     if statements and isinstance(statements[0], ast.Expr) and isinstance(statements[0].value, ast.Constant):
         statements = statements[1:]  # the docstring
     kept = [statement for statement in statements if not _is_output_dropout(statement)]
-    unify = _Unify(names[4])
+    unify = _Unify(cache[0])
     dumps = [ast.dump(unify.visit(statement)) for statement in kept]
     return dumps, unify.forwarded, len(kept) < len(statements), unify.rotary_condition, unify.norm_names
 
@@ -388,6 +397,9 @@ def recognise(cls: type) -> Optional[Recognised]:
         return None
     local = {a.arg for a in function.args.args} | {function.args.kwarg.arg} | {
         n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    # ``if position_embeddings is not None:`` (Granite-4.0's hybrid): no test of ``self``, the call's own tables
+    optional = conditional and ast.dump(parsed[3]) == _expression("position_embeddings is not None")
+    conditional = conditional and not optional
     expressions = [*parsed[1].items(), *([("rotary condition", parsed[3])] if conditional else [])]
     evaluated = []
     for name, expression in expressions:
@@ -399,7 +411,7 @@ def recognise(cls: type) -> Optional[Recognised]:
         evaluated.append((name, eval(compile(source, inspect.getsourcefile(inner) or "<forward>", "eval"),  # noqa: S307
                                      inner.__globals__)))
     condition = evaluated.pop()[1] if conditional else None
-    return Recognised(inner.__code__, tuple(evaluated), cls, qk_norms, fused, clipped, condition, norm_names)
+    return Recognised(inner.__code__, tuple(evaluated), cls, qk_norms, fused, clipped, condition, norm_names, optional)
 
 
 # --------------------------------------------------------------------------------------------
@@ -533,8 +545,9 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     (see the module docstring)."""
     state = module.__dict__[_STATE]
     hidden, rotary = arguments.get("hidden_states"), arguments.get("position_embeddings")
-    if (state.unservable is not None or not isinstance(hidden, Tensor) or not isinstance(rotary, (tuple, list))
-            or len(rotary) != 2 or module.needs_fallback(hidden) or not no_global_hooks()):
+    if (state.unservable is not None or not isinstance(hidden, Tensor)
+            or not (isinstance(rotary, (tuple, list)) and len(rotary) == 2 or rotary is None and recognised.rotary_optional)
+            or module.needs_fallback(hidden) or not no_global_hooks()):
         return NotImplemented
     kwargs = {}  # what the forward passes on as ``**kwargs``; one it would pass to the attention function refuses
     for name, given in arguments.items():  # a loop, not generators (about 1 µs less), which Dynamo traces too
@@ -605,16 +618,16 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
         query, key, value = _head_views(merged, hidden_shape, heads, plain)
     if qk_norms == "transposed":
         query, key = call_in(plain, norms[0], query), call_in(plain, norms[1], key)
-    cos, sin = rotary
+    cos, sin = rotary if rotary is not None else (None, None)
     rotate, mask = namespace["apply_rotary_pos_emb"], arguments.get("attention_mask")
-    rotates = recognised.rotary_condition is None or recognised.rotary_condition(module)
+    rotates = rotary is not None and (recognised.rotary_condition is None or recognised.rotary_condition(module))
     if qk_norms == "after rotary":  # the rotated heads normed: the write stores them as they come
         if rotates:
             query, key = rotate(query, key, cos, sin)
         query, key = call_in(plain, norms[0], query), call_in(plain, norms[1], key)
         batch = store_step(state, paged, key, value, mask)
     elif not rotates:
-        batch = store_step(state, paged, key, value, mask)  # the forward's test says: no rotation
+        batch = store_step(state, paged, key, value, mask)  # the forward's test says: no rotation (or no tables)
     elif _rotates_in_the_write(rotate, query, key, value, cos, sin, paged):
         batch = store_step(state, paged, key, value, mask, (query, cos, sin))
         query, key = batch.query_states, batch.key_states

@@ -198,6 +198,11 @@ def test_only_the_template_forward_is_recognised(tmp_path):
                                        "value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2) * 2")
     sinks = template.replace("scaling=self.scaling,", "scaling=self.scaling, s_aux=self.sinks,")
     other_keyword = template.replace("scaling=self.scaling,", "scaling=self.scaling, value_scale=self.value_scale,")
+    signature = "def forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs):"
+    assert signature in template
+    reordered = template.replace(signature, "def forward(self, hidden_states, attention_mask, cache=None, "
+                                            "position_embeddings=None, **kwargs):")
+    other_default = template.replace(signature, signature.replace("cache,", "cache=0,"))
     q_norm_only = template.replace("query_states = self.q_proj(hidden_states).view(hidden_shape)",
                                    "query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape))")
     window = template.replace("scaling=self.scaling,", "scaling=self.scaling, sliding_window=self.window,")
@@ -206,10 +211,11 @@ def test_only_the_template_forward_is_recognised(tmp_path):
                                                "training=self.training)\n")
     dropout_in_training = dropout.replace("training=self.training", "training=True")
     assert len({template, extra_statement, sinks, other_keyword, window, q_norm_only, dropout,
-                dropout_in_training}) == 8
+                dropout_in_training, reordered, other_default}) == 10
     found = {}
     for name, source in (("template", template), ("scaled values", extra_statement), ("sinks", sinks),
-                         ("other keyword", other_keyword), ("window", window), ("q norm only", q_norm_only), ("dropout", dropout),
+                         ("other keyword", other_keyword), ("window", window), ("reordered", reordered),
+                         ("other default", other_default), ("q norm only", q_norm_only), ("dropout", dropout),
                          ("dropout in training", dropout_in_training)):
         path = tmp_path / f"{name.replace(' ', '_')}.py"  # inspect.getsource reads the forward's file
         path.write_text(textwrap.dedent(source))
@@ -221,6 +227,8 @@ def test_only_the_template_forward_is_recognised(tmp_path):
     assert found["scaled values"] is None and found["other keyword"] is None and found["q norm only"] is None
     assert found["window"] is not None and [name for name, _ in found["window"].forwarded] == ["sliding_window"]
     assert found["sinks"] is not None and [name for name, _ in found["sinks"].forwarded] == ["s_aux"]
+    # parameters in another order, defaults None: read by name; any other default: not the template's call
+    assert found["reordered"] is not None and found["other default"] is None
     assert found["dropout"] is not None and found["dropout in training"] is None
 
 
@@ -397,3 +405,19 @@ def test_query_and_key_norms_after_the_rotary_embedding_take_it_bit_for_bit(fami
     with torch.no_grad():
         direct(prompt(batch=1, length=3))
     assert seen == [(1, direct.config.num_attention_heads, 3, attention.head_dim)]
+
+
+@pytest.mark.parametrize("family, config", [
+    ("granitemoehybrid", dict(layer_types=["full_attention"] * 2, position_embedding_type="rope",
+                              num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64)),
+    ("granitemoehybrid", dict(layer_types=["full_attention"] * 2, position_embedding_type=None,
+                              num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64)),
+    ("granite_swa", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+], ids=["granite-4-rope", "granite-4-nope", "granite-swa"])
+def test_a_forward_rotating_only_where_given_tables_takes_it_bit_for_bit(family, config):
+    """Granite-4.0's attention takes its parameters in another order and rotates only ``if
+    position_embeddings is not None``: with the model's rotary tables, and without them (NoPE, where
+    the direct path writes the heads unrotated); Granite-SWA's the same with a window."""
+    direct, *_ = _both_paths_agree(lambda: _rewired_from_config(family, **config))
+    recognised = recognise(type(_paged(direct)[0])._hw_agnostic_base)
+    assert recognised.rotary_optional and recognised.rotary_condition is None
