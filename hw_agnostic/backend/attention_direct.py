@@ -34,7 +34,10 @@ evaluates the forward's own test on every call, where the forward does. Granite-
 Granite-SWA rotate ``if position_embeddings is not None`` (NoPE models pass none): the direct path
 rotates where the call brings tables and writes the heads as they are where it brings None. The
 parameters may come in any order (Granite-4.0, Mimi), with no default but None: the direct path
-reads its arguments by name.
+reads its arguments by name; a sixth, ``position_ids``, is allowed where the attention call passes it
+on by name (as ``**kwargs`` would). Qwen2-VL, Qwen2.5-VL, Qwen2.5-Omni and GLM-4V's text towers spell
+the template with the input's batch and query sizes (:data:`_SIZED_TEMPLATE`): the same views of a
+three-dimensional input; any other input is left to the forward, whose unpacking refuses it.
 
 A paged module (:class:`~hw_agnostic.layers.PagedAttention`) runs that forward with its cache bound
 to a paged view and its attention function dispatched by name: three projection-part calls, the
@@ -216,6 +219,16 @@ _CONDITIONAL_ROTARY = (
     (_UNPACK + _ROTARY, f"    if {_CONDITION}:\n    " + _UNPACK + "    " + _ROTARY),
 )
 
+#: The template spelt with the batch and query sizes (Qwen2-VL, Qwen2.5-VL, Qwen2.5-Omni, GLM-4V's text
+#: towers): ``bsz, q_len, _ = hidden_states.size()``, the whole projections, then their heads split off
+#: as ``view(bsz, q_len, -1, self.head_dim)``, merged back as ``reshape(bsz, q_len, -1)``: the same views
+#: of a three-dimensional input, which the unpacking requires.
+_SIZED_TEMPLATE = _TEMPLATE.replace(
+    "    input_shape = hidden_states.shape[:-1]\n    hidden_shape = (*input_shape, -1, self.head_dim)\n",
+    "    bsz, q_len, _ = hidden_states.size()\n").replace(
+    _PARTS, _WHOLE + _VIEWS.replace("view(hidden_shape)", "view(bsz, q_len, -1, self.head_dim)")).replace(
+    "attn_output.reshape(*input_shape, -1)", "attn_output.reshape(bsz, q_len, -1)")
+
 #: The template with one projection of q, k and v together, ``qkv_proj``, sliced by the config's head
 #: counts (Phi-3, Phi-4-multimodal).
 _FUSED_TEMPLATE = _TEMPLATE.replace(_PARTS, """\
@@ -242,6 +255,7 @@ class Recognised:
     norm_names: tuple[str, str] = ("q_norm", "k_norm")  # the children the forward calls its q / k norms
     # the forward rotates only where it is given ``position_embeddings`` (``if position_embeddings is not None:``)
     rotary_optional: bool = False
+    sized: bool = False  # the forward is :data:`_SIZED_TEMPLATE`'s: it unpacks a three-dimensional input's sizes
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Recognised again where it is unpickled (code and the forwarded functions do not pickle)."""
@@ -257,6 +271,7 @@ class _Unify(ast.NodeTransformer):
         self.forwarded: dict[str, ast.expr] = {}
         self.rotary_condition: Optional[ast.expr] = None
         self.norm_names: dict[str, set[str]] = {}  # each template norm name: the names the forward calls it by
+        self.passes_position_ids = False
 
     def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
         self.generic_visit(node)
@@ -295,6 +310,9 @@ class _Unify(ast.NodeTransformer):
                 if keyword.arg in _FORWARDED:
                     self.forwarded[keyword.arg] = keyword.value
                     continue
+                if keyword.arg == "position_ids" and ast.dump(keyword.value) == _expression("position_ids"):
+                    self.passes_position_ids = True  # its parameter, passed on as **kwargs would pass it
+                    continue
                 kept.append(keyword)
             node.keywords = kept
         return node
@@ -331,10 +349,12 @@ def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.
     args = function.args
     names = [a.arg for a in args.args]
     cache = [name for name in names if name in _CACHE_NAMES]
-    # the template's parameters in any order (the direct path reads its arguments by name), a default only None
-    if (args.vararg or args.kwonlyargs or args.posonlyargs or args.kwarg is None or len(names) != 5
-            or names[0] != "self" or len(cache) != 1
-            or set(names[1:]) != {"hidden_states", "position_embeddings", "attention_mask", cache[0]}
+    # The template's parameters in any order (the direct path reads its arguments by name), a default
+    # only None; and maybe ``position_ids``, which the attention call must then pass on by name (as it
+    # would reach the attention function in ``**kwargs`` without the parameter).
+    template = {"hidden_states", "position_embeddings", "attention_mask", *cache}
+    if (args.vararg or args.kwonlyargs or args.posonlyargs or args.kwarg is None or names[:1] != ["self"]
+            or len(cache) != 1 or set(names[1:]) - {"position_ids"} != template or len(names) != len(set(names))
             or not all(isinstance(default, ast.Constant) and default.value is None for default in args.defaults)):
         return None
     statements = function.body
@@ -343,18 +363,21 @@ def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.
     kept = [statement for statement in statements if not _is_output_dropout(statement)]
     unify = _Unify(cache[0])
     dumps = [ast.dump(unify.visit(statement)) for statement in kept]
+    if unify.passes_position_ids != ("position_ids" in names):
+        return None
     return dumps, unify.forwarded, len(kept) < len(statements), unify.rotary_condition, unify.norm_names
 
 
-#: every recognised form but a conditional rotary embedding's: its source and ``(qk_norms, fused, clipped)``
-#: (see :class:`Recognised`)
+#: every recognised form but a conditional rotary embedding's: its source and ``(qk_norms, fused, clipped,
+#: sized)`` (see :class:`Recognised`)
 _BASE_FORMS = (
-    (_TEMPLATE, (None, False, False)),
-    *((source, (form, False, False)) for form, source in _QK_NORM_TEMPLATES.items()),
-    (_FUSED_TEMPLATE, (None, True, False)),
-    *((source, (form, False, True)) for form, source in _CLIPPED_TEMPLATES.items()),
+    (_TEMPLATE, (None, False, False, False)),
+    *((source, (form, False, False, False)) for form, source in _QK_NORM_TEMPLATES.items()),
+    (_FUSED_TEMPLATE, (None, True, False, False)),
+    (_SIZED_TEMPLATE, (None, False, False, True)),
+    *((source, (form, False, True, False)) for form, source in _CLIPPED_TEMPLATES.items()),
 )
-#: every recognised form: its source, its ``(qk_norms, fused, clipped)`` and whether its rotary
+#: every recognised form: its source, its ``(qk_norms, fused, clipped, sized)`` and whether its rotary
 #: embedding is applied under a test (:data:`_CONDITIONAL_ROTARY`)
 _FORMS = (
     *((source, form, False) for source, form in _BASE_FORMS),
@@ -389,7 +412,7 @@ def recognise(cls: type) -> Optional[Recognised]:
     found = next(((form, conditional) for source, form, conditional in _FORMS if parsed[0] == _template(source)), None)
     if found is None:
         return None
-    (qk_norms, fused, clipped), conditional = found
+    (qk_norms, fused, clipped, sized), conditional = found
     if any(len(names) > 1 for names in parsed[4].values()):
         return None  # two modules it calls by one name of the templates'
     norm_names = (next(iter(parsed[4].get("q_norm", {"q_norm"}))), next(iter(parsed[4].get("k_norm", {"k_norm"}))))
@@ -411,7 +434,8 @@ def recognise(cls: type) -> Optional[Recognised]:
         evaluated.append((name, eval(compile(source, inspect.getsourcefile(inner) or "<forward>", "eval"),  # noqa: S307
                                      inner.__globals__)))
     condition = evaluated.pop()[1] if conditional else None
-    return Recognised(inner.__code__, tuple(evaluated), cls, qk_norms, fused, clipped, condition, norm_names, optional)
+    return Recognised(inner.__code__, tuple(evaluated), cls, qk_norms, fused, clipped, condition, norm_names, optional,
+                      sized)
 
 
 # --------------------------------------------------------------------------------------------
@@ -547,6 +571,7 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     hidden, rotary = arguments.get("hidden_states"), arguments.get("position_embeddings")
     if (state.unservable is not None or not isinstance(hidden, Tensor)
             or not (isinstance(rotary, (tuple, list)) and len(rotary) == 2 or rotary is None and recognised.rotary_optional)
+            or recognised.sized and hidden.dim() != 3  # the forward's own unpacking raises: let it
             or module.needs_fallback(hidden) or not no_global_hooks()):
         return NotImplemented
     kwargs = {}  # what the forward passes on as ``**kwargs``; one it would pass to the attention function refuses

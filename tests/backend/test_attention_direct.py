@@ -203,6 +203,10 @@ def test_only_the_template_forward_is_recognised(tmp_path):
     reordered = template.replace(signature, "def forward(self, hidden_states, attention_mask, cache=None, "
                                             "position_embeddings=None, **kwargs):")
     other_default = template.replace(signature, signature.replace("cache,", "cache=0,"))
+    with_positions = signature.replace("cache,", "cache, position_ids=None,")
+    positions_passed_on = template.replace(signature, with_positions).replace(
+        "scaling=self.scaling,", "scaling=self.scaling, position_ids=position_ids,")
+    positions_kept = template.replace(signature, with_positions)  # not passed on: **kwargs would have
     q_norm_only = template.replace("query_states = self.q_proj(hidden_states).view(hidden_shape)",
                                    "query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape))")
     window = template.replace("scaling=self.scaling,", "scaling=self.scaling, sliding_window=self.window,")
@@ -211,11 +215,12 @@ def test_only_the_template_forward_is_recognised(tmp_path):
                                                "training=self.training)\n")
     dropout_in_training = dropout.replace("training=self.training", "training=True")
     assert len({template, extra_statement, sinks, other_keyword, window, q_norm_only, dropout,
-                dropout_in_training, reordered, other_default}) == 10
+                dropout_in_training, reordered, other_default, positions_passed_on, positions_kept}) == 12
     found = {}
     for name, source in (("template", template), ("scaled values", extra_statement), ("sinks", sinks),
                          ("other keyword", other_keyword), ("window", window), ("reordered", reordered),
-                         ("other default", other_default), ("q norm only", q_norm_only), ("dropout", dropout),
+                         ("other default", other_default), ("positions passed on", positions_passed_on),
+                         ("positions kept", positions_kept), ("q norm only", q_norm_only), ("dropout", dropout),
                          ("dropout in training", dropout_in_training)):
         path = tmp_path / f"{name.replace(' ', '_')}.py"  # inspect.getsource reads the forward's file
         path.write_text(textwrap.dedent(source))
@@ -229,6 +234,7 @@ def test_only_the_template_forward_is_recognised(tmp_path):
     assert found["sinks"] is not None and [name for name, _ in found["sinks"].forwarded] == ["s_aux"]
     # parameters in another order, defaults None: read by name; any other default: not the template's call
     assert found["reordered"] is not None and found["other default"] is None
+    assert found["positions passed on"] is not None and found["positions kept"] is None
     assert found["dropout"] is not None and found["dropout in training"] is None
 
 
@@ -421,3 +427,32 @@ def test_a_forward_rotating_only_where_given_tables_takes_it_bit_for_bit(family,
     direct, *_ = _both_paths_agree(lambda: _rewired_from_config(family, **config))
     recognised = recognise(type(_paged(direct)[0])._hw_agnostic_base)
     assert recognised.rotary_optional and recognised.rotary_condition is None
+
+
+def _rewired_qwen2_vl():
+    """A tiny Qwen2-VL (a vision tower the text prompts never reach), rewired."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = dict(TINY, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, spatial_merge_size=2)
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=250, video_token_id=251,
+                           vision_start_token_id=252, **TOKENS)
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    rewire(model)
+    return model
+
+
+def test_the_form_spelt_with_batch_and_query_sizes_takes_it_bit_for_bit():
+    """Qwen2-VL's text attention unpacks ``bsz, q_len, _ = hidden_states.size()``, splits the whole
+    projections with those sizes and passes ``position_ids`` on by name (its multimodal rotary
+    tables come from the model): both paths give the same tokens and logits; a two-dimensional
+    input, which the forward's unpacking refuses, is left to the forward."""
+    direct, counts, _, _ = _both_paths_agree(_rewired_qwen2_vl)
+    attention = _paged(direct)[0]
+    assert recognise(type(attention)._hw_agnostic_base).sized
+    cos = sin = torch.ones(5, attention.head_dim)
+    with pytest.raises(ValueError, match="not enough values to unpack"), torch.no_grad():
+        attention(torch.randn(5, direct.config.text_config.hidden_size), attention_mask=None,
+                  position_embeddings=(cos, sin), past_key_values=DynamicCache(config=direct.config))
+    assert counts["declined"] == 1
