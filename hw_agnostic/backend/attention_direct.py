@@ -38,6 +38,8 @@ reads its arguments by name; a sixth, ``position_ids``, is allowed where the att
 on by name (as ``**kwargs`` would). Qwen2-VL, Qwen2.5-VL, Qwen2.5-Omni and GLM-4V's text towers spell
 the template with the input's batch and query sizes (:data:`_SIZED_TEMPLATE`): the same views of a
 three-dimensional input; any other input is left to the forward, whose unpacking refuses it.
+Qwen3-Next and Qwen3.5 gate the merged heads by ``torch.sigmoid`` of a gate chunked out of each
+head's q projection (:data:`_GATED_TEMPLATE`); the direct path makes the same chunk, norms and product.
 
 A paged module (:class:`~hw_agnostic.layers.PagedAttention`) runs that forward with its cache bound
 to a paged view and its attention function dispatched by name: three projection-part calls, the
@@ -85,7 +87,7 @@ import inspect
 import textwrap
 import types
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
@@ -229,6 +231,20 @@ _SIZED_TEMPLATE = _TEMPLATE.replace(
     _PARTS, _WHOLE + _VIEWS.replace("view(hidden_shape)", "view(bsz, q_len, -1, self.head_dim)")).replace(
     "attn_output.reshape(*input_shape, -1)", "attn_output.reshape(bsz, q_len, -1)")
 
+#: Qwen3-Next's and Qwen3.5's gated attention: the q projection holds each head's queries and output
+#: gate side by side (``head_dim * 2``), chunked apart; the queries and keys per-head normed, as in the
+#: ``"heads"`` form; the merged heads multiplied by ``torch.sigmoid(gate)`` before ``o_proj``.
+_GATED_TEMPLATE = _TEMPLATE.replace(_PARTS, """\
+    query_states, gate = torch.chunk(self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
+    gate = gate.reshape(*input_shape, -1)
+    query_states = self.q_norm(query_states.view(hidden_shape)).transpose(1, 2)
+    key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+""").replace(
+    "    attn_output = attn_output.reshape(*input_shape, -1).contiguous()\n",
+    "    attn_output = attn_output.reshape(*input_shape, -1).contiguous()\n"
+    "    attn_output = attn_output * torch.sigmoid(gate)\n")
+
 #: The template with one projection of q, k and v together, ``qkv_proj``, sliced by the config's head
 #: counts (Phi-3, Phi-4-multimodal).
 _FUSED_TEMPLATE = _TEMPLATE.replace(_PARTS, """\
@@ -256,6 +272,7 @@ class Recognised:
     # the forward rotates only where it is given ``position_embeddings`` (``if position_embeddings is not None:``)
     rotary_optional: bool = False
     sized: bool = False  # the forward is :data:`_SIZED_TEMPLATE`'s: it unpacks a three-dimensional input's sizes
+    gated: bool = False  # the forward is :data:`_GATED_TEMPLATE`'s: an output gate from the q projection
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Recognised again where it is unpickled (code and the forwarded functions do not pickle)."""
@@ -368,16 +385,26 @@ def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.
     return dumps, unify.forwarded, len(kept) < len(statements), unify.rotary_condition, unify.norm_names
 
 
-#: every recognised form but a conditional rotary embedding's: its source and ``(qk_norms, fused, clipped,
-#: sized)`` (see :class:`Recognised`)
+class _Form(NamedTuple):
+    """What a recognised form's source differs from the template in (see :class:`Recognised`)."""
+
+    qk_norms: Optional[str] = None
+    fused: bool = False
+    clipped: bool = False
+    sized: bool = False
+    gated: bool = False
+
+
+#: every recognised form but a conditional rotary embedding's, with its source
 _BASE_FORMS = (
-    (_TEMPLATE, (None, False, False, False)),
-    *((source, (form, False, False, False)) for form, source in _QK_NORM_TEMPLATES.items()),
-    (_FUSED_TEMPLATE, (None, True, False, False)),
-    (_SIZED_TEMPLATE, (None, False, False, True)),
-    *((source, (form, False, True, False)) for form, source in _CLIPPED_TEMPLATES.items()),
+    (_TEMPLATE, _Form()),
+    *((source, _Form(qk_norms=form)) for form, source in _QK_NORM_TEMPLATES.items()),
+    (_FUSED_TEMPLATE, _Form(fused=True)),
+    (_SIZED_TEMPLATE, _Form(sized=True)),
+    (_GATED_TEMPLATE, _Form(qk_norms="heads", gated=True)),
+    *((source, _Form(qk_norms=form, clipped=True)) for form, source in _CLIPPED_TEMPLATES.items()),
 )
-#: every recognised form: its source, its ``(qk_norms, fused, clipped, sized)`` and whether its rotary
+#: every recognised form: its source, its :class:`_Form` and whether its rotary
 #: embedding is applied under a test (:data:`_CONDITIONAL_ROTARY`)
 _FORMS = (
     *((source, form, False) for source, form in _BASE_FORMS),
@@ -412,11 +439,13 @@ def recognise(cls: type) -> Optional[Recognised]:
     found = next(((form, conditional) for source, form, conditional in _FORMS if parsed[0] == _template(source)), None)
     if found is None:
         return None
-    (qk_norms, fused, clipped, sized), conditional = found
+    form, conditional = found
     if any(len(names) > 1 for names in parsed[4].values()):
         return None  # two modules it calls by one name of the templates'
     norm_names = (next(iter(parsed[4].get("q_norm", {"q_norm"}))), next(iter(parsed[4].get("k_norm", {"k_norm"}))))
     if parsed[2] and inner.__globals__.get("nn") is not nn:  # its dropout is not torch's
+        return None
+    if form.gated and inner.__globals__.get("torch") is not torch:  # its chunk and sigmoid are not torch's
         return None
     local = {a.arg for a in function.args.args} | {function.args.kwarg.arg} | {
         n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
@@ -434,8 +463,8 @@ def recognise(cls: type) -> Optional[Recognised]:
         evaluated.append((name, eval(compile(source, inspect.getsourcefile(inner) or "<forward>", "eval"),  # noqa: S307
                                      inner.__globals__)))
     condition = evaluated.pop()[1] if conditional else None
-    return Recognised(inner.__code__, tuple(evaluated), cls, qk_norms, fused, clipped, condition, norm_names, optional,
-                      sized)
+    return Recognised(inner.__code__, tuple(evaluated), cls, form.qk_norms, form.fused, form.clipped, condition,
+                      norm_names, optional, form.sized, form.gated)
 
 
 # --------------------------------------------------------------------------------------------
@@ -613,8 +642,16 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     hidden_shape = (*input_shape, -1, module.head_dim)
     whole = qk_norms == "whole" or recognised.clipped  # the whole projections first, then their heads
     heads = (_head_counts(type(qkv), qkv.sizes, module.head_dim)
-             if hidden.dim() == 3 and not recognised.fused and not whole else None)
-    if recognised.fused:
+             if hidden.dim() == 3 and not recognised.fused and not whole and not recognised.gated else None)
+    gate = None
+    if recognised.gated:  # each head's queries and gate chunked apart, as the forward does
+        q, k, v = qkv.forward(hidden)
+        query, gate = torch.chunk(q.view(*input_shape, -1, module.head_dim * 2), 2, dim=-1)
+        gate = gate.reshape(*input_shape, -1)
+        query = call_in(plain, norms[0], query.view(hidden_shape)).transpose(1, 2)
+        key = call_in(plain, norms[1], k.view(hidden_shape)).transpose(1, 2)
+        value = v.view(hidden_shape).transpose(1, 2)
+    elif recognised.fused:
         query, key, value = _sliced_heads(module, call_in(plain, qkv, hidden), hidden_shape, plain)
     elif whole:  # the whole q / k projections normed, clamped in place where the forward does, split into heads
         q, k, v = qkv.forward(hidden)
@@ -664,7 +701,10 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
         kwargs[name] = value_of(module)
     out, weights = attend_paged(module, state, batch, query, key, value, mask, module.scaling, 0.0, kwargs)
     (o_proj,) = own_attributes(module, "_modules", _O_PROJ)
-    return call_in(plain, o_proj, out.reshape(*input_shape, -1).contiguous()), weights
+    out = out.reshape(*input_shape, -1).contiguous()
+    if gate is not None:
+        out = out * torch.sigmoid(gate)
+    return call_in(plain, o_proj, out), weights
 
 
 def direct_path_for(cls: type) -> Optional[Callable[[nn.Module, dict[str, Any]], Any]]:

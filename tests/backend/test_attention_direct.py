@@ -456,3 +456,12 @@ def test_the_form_spelt_with_batch_and_query_sizes_takes_it_bit_for_bit():
         attention(torch.randn(5, direct.config.text_config.hidden_size), attention_mask=None,
                   position_embeddings=(cos, sin), past_key_values=DynamicCache(config=direct.config))
     assert counts["declined"] == 1
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text"])
+def test_gated_attention_takes_it_bit_for_bit(family):
+    """Qwen3-Next's and Qwen3.5's attention chunk an output gate out of the q projection and multiply
+    the merged heads by its sigmoid: both paths give the same tokens and logits."""
+    direct, *_ = _both_paths_agree(lambda: _rewired_from_config(family, head_dim=16,
+                                                                 layer_types=["full_attention"] * 2))
+    assert recognise(type(_paged(direct)[0])._hw_agnostic_base).gated
