@@ -40,6 +40,9 @@ the template with the input's batch and query sizes (:data:`_SIZED_TEMPLATE`): t
 three-dimensional input; any other input is left to the forward, whose unpacking refuses it.
 Qwen3-Next and Qwen3.5 gate the merged heads by ``torch.sigmoid`` of a gate chunked out of each
 head's q projection (:data:`_GATED_TEMPLATE`); the direct path makes the same chunk, norms and product.
+Ministral-3 scales the rotated queries by a factor of the positions (:data:`_SCALED_QUERY_TEMPLATE`),
+evaluated as the forward's own expression, before the write (which then cannot rotate them). A call
+that leaves out a parameter without a default is the forward's, which refuses it.
 
 A paged module (:class:`~hw_agnostic.layers.PagedAttention`) runs that forward with its cache bound
 to a paged view and its attention function dispatched by name: three projection-part calls, the
@@ -245,6 +248,13 @@ _GATED_TEMPLATE = _TEMPLATE.replace(_PARTS, """\
     "    attn_output = attn_output.reshape(*input_shape, -1).contiguous()\n"
     "    attn_output = attn_output * torch.sigmoid(gate)\n")
 
+#: what stands for the factor of a statement scaling the rotated queries (see :class:`_Unify`)
+_QUERY_SCALE = "__query_scale__"
+#: Ministral-3's form: the rotated queries scaled by a factor of the positions (Llama-4's attention
+#: scaling), ``query_states = query_states * <factor>``, the factor an expression of ``self``,
+#: ``position_ids``, ``query_states`` and the module's globals.
+_SCALED_QUERY_TEMPLATE = _TEMPLATE.replace(_ROTARY, _ROTARY + f"    query_states = query_states * {_QUERY_SCALE}\n")
+
 #: The template with one projection of q, k and v together, ``qkv_proj``, sliced by the config's head
 #: counts (Phi-3, Phi-4-multimodal).
 _FUSED_TEMPLATE = _TEMPLATE.replace(_PARTS, """\
@@ -273,6 +283,9 @@ class Recognised:
     rotary_optional: bool = False
     sized: bool = False  # the forward is :data:`_SIZED_TEMPLATE`'s: it unpacks a three-dimensional input's sizes
     gated: bool = False  # the forward is :data:`_GATED_TEMPLATE`'s: an output gate from the q projection
+    # the factor of the rotated queries, of ``(self, position_ids, query_states)`` (:data:`_SCALED_QUERY_TEMPLATE`)
+    query_scale: Optional[Callable[[nn.Module, Any, Tensor], Any]] = None
+    required: frozenset[str] = frozenset()  # the parameters without a default: a call without one is the forward's
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Recognised again where it is unpickled (code and the forwarded functions do not pickle)."""
@@ -289,6 +302,7 @@ class _Unify(ast.NodeTransformer):
         self.rotary_condition: Optional[ast.expr] = None
         self.norm_names: dict[str, set[str]] = {}  # each template norm name: the names the forward calls it by
         self.passes_position_ids = False
+        self.query_scale: Optional[ast.expr] = None
 
     def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
         self.generic_visit(node)
@@ -305,7 +319,18 @@ class _Unify(ast.NodeTransformer):
     def visit_AnnAssign(self, node: ast.AnnAssign) -> ast.AST:
         if node.value is None or not node.simple:
             return node
-        return self.generic_visit(ast.Assign(targets=[node.target], value=node.value))
+        return self.visit_Assign(ast.Assign(targets=[node.target], value=node.value))
+
+    def visit_Assign(self, node: ast.Assign) -> ast.AST:
+        """``query_states = query_states * <factor>``: the factor set aside as :data:`_QUERY_SCALE`."""
+        self.generic_visit(node)
+        value = node.value
+        if (len(node.targets) == 1 and ast.dump(node.targets[0]) == ast.dump(ast.Name(id="query_states", ctx=ast.Store()))
+                and isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult)
+                and ast.dump(value.left) == _expression("query_states")):
+            self.query_scale = value.right
+            node.value = ast.BinOp(left=value.left, op=value.op, right=ast.Name(id=_QUERY_SCALE, ctx=ast.Load()))
+        return node
 
     def visit_If(self, node: ast.If) -> ast.AST:
         """An ``if`` whose body applies the rotary embedding (and maybe unpacks its tables first), with
@@ -357,12 +382,11 @@ def _is_output_dropout(statement: ast.stmt) -> bool:
             and set(keywords) == {"p", "training"} and ast.dump(keywords["training"]) == _expression("self.training"))
 
 
-def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.expr], bool, Optional[ast.expr],
-                                                        dict[str, set[str]]]]:
-    """The unified statements of ``function`` (see :class:`_Unify`), its forwarded keywords, whether
-    it drops out its merged heads (:func:`_is_output_dropout`, a statement left out of the others),
-    the test its rotary embedding is applied under (None: none) and the names it calls its q / k
-    norms by; None when its parameters are not the template's."""
+def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], "_Unify", bool]]:
+    """The unified statements of ``function``, what unifying them set aside (:class:`_Unify`: the
+    forwarded keywords, the rotary test, the q / k norms' names, the queries' scale) and whether it
+    drops out its merged heads (:func:`_is_output_dropout`, a statement left out of the others);
+    None when its parameters are not the template's."""
     args = function.args
     names = [a.arg for a in args.args]
     cache = [name for name in names if name in _CACHE_NAMES]
@@ -382,7 +406,7 @@ def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], dict[str, ast.
     dumps = [ast.dump(unify.visit(statement)) for statement in kept]
     if unify.passes_position_ids != ("position_ids" in names):
         return None
-    return dumps, unify.forwarded, len(kept) < len(statements), unify.rotary_condition, unify.norm_names
+    return dumps, unify, len(kept) < len(statements)
 
 
 class _Form(NamedTuple):
@@ -393,6 +417,7 @@ class _Form(NamedTuple):
     clipped: bool = False
     sized: bool = False
     gated: bool = False
+    scaled_query: bool = False
 
 
 #: every recognised form but a conditional rotary embedding's, with its source
@@ -402,6 +427,7 @@ _BASE_FORMS = (
     (_FUSED_TEMPLATE, _Form(fused=True)),
     (_SIZED_TEMPLATE, _Form(sized=True)),
     (_GATED_TEMPLATE, _Form(qk_norms="heads", gated=True)),
+    (_SCALED_QUERY_TEMPLATE, _Form(scaled_query=True)),
     *((source, _Form(qk_norms=form, clipped=True)) for form, source in _CLIPPED_TEMPLATES.items()),
 )
 #: every recognised form: its source, its :class:`_Form` and whether its rotary
@@ -440,31 +466,39 @@ def recognise(cls: type) -> Optional[Recognised]:
     if found is None:
         return None
     form, conditional = found
-    if any(len(names) > 1 for names in parsed[4].values()):
+    dumps, unify, dropped = parsed
+    if any(len(names) > 1 for names in unify.norm_names.values()):
         return None  # two modules it calls by one name of the templates'
-    norm_names = (next(iter(parsed[4].get("q_norm", {"q_norm"}))), next(iter(parsed[4].get("k_norm", {"k_norm"}))))
-    if parsed[2] and inner.__globals__.get("nn") is not nn:  # its dropout is not torch's
+    norm_names = tuple(next(iter(unify.norm_names.get(name, {name}))) for name in ("q_norm", "k_norm"))
+    if dropped and inner.__globals__.get("nn") is not nn:  # its dropout is not torch's
         return None
     if form.gated and inner.__globals__.get("torch") is not torch:  # its chunk and sigmoid are not torch's
         return None
     local = {a.arg for a in function.args.args} | {function.args.kwarg.arg} | {
         n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     # ``if position_embeddings is not None:`` (Granite-4.0's hybrid): no test of ``self``, the call's own tables
-    optional = conditional and ast.dump(parsed[3]) == _expression("position_embeddings is not None")
+    optional = conditional and ast.dump(unify.rotary_condition) == _expression("position_embeddings is not None")
     conditional = conditional and not optional
-    expressions = [*parsed[1].items(), *([("rotary condition", parsed[3])] if conditional else [])]
-    evaluated = []
-    for name, expression in expressions:
-        if any(isinstance(n, ast.Name) and n.id in local - {"self"} for n in ast.walk(expression)):
-            return None  # evaluated apart from the forward's frame: ``self`` and globals only
+    # each expression set aside, evaluated apart from the forward's frame: of these names and the globals only
+    expressions = [*((name, value, ("self",)) for name, value in unify.forwarded.items()),
+                   *([("rotary condition", unify.rotary_condition, ("self",))] if conditional else []),
+                   *([("query scale", unify.query_scale, ("self", "position_ids", "query_states"))]
+                     if form.scaled_query else [])]
+    evaluated = {}
+    for name, expression, parameters in expressions:
+        if any(isinstance(n, ast.Name) and n.id in local - set(parameters) for n in ast.walk(expression)):
+            return None
         source = ast.Expression(body=ast.Lambda(args=ast.arguments(
-            posonlyargs=[], args=[ast.arg(arg="self")], kwonlyargs=[], kw_defaults=[], defaults=[]), body=expression))
+            posonlyargs=[], args=[ast.arg(arg=p) for p in parameters], kwonlyargs=[], kw_defaults=[], defaults=[]),
+            body=expression))
         ast.fix_missing_locations(source)
-        evaluated.append((name, eval(compile(source, inspect.getsourcefile(inner) or "<forward>", "eval"),  # noqa: S307
-                                     inner.__globals__)))
-    condition = evaluated.pop()[1] if conditional else None
-    return Recognised(inner.__code__, tuple(evaluated), cls, form.qk_norms, form.fused, form.clipped, condition,
-                      norm_names, optional, form.sized, form.gated)
+        evaluated[name] = eval(compile(source, inspect.getsourcefile(inner) or "<forward>", "eval"),  # noqa: S307
+                               inner.__globals__)
+    args = function.args
+    required = frozenset(a.arg for a in args.args[1:len(args.args) - len(args.defaults)])
+    return Recognised(inner.__code__, tuple((name, evaluated[name]) for name in unify.forwarded), cls, form.qk_norms,
+                      form.fused, form.clipped, evaluated.get("rotary condition"), norm_names, optional, form.sized,
+                      form.gated, evaluated.get("query scale"), required)
 
 
 # --------------------------------------------------------------------------------------------
@@ -598,7 +632,7 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     (see the module docstring)."""
     state = module.__dict__[_STATE]
     hidden, rotary = arguments.get("hidden_states"), arguments.get("position_embeddings")
-    if (state.unservable is not None or not isinstance(hidden, Tensor)
+    if (state.unservable is not None or not isinstance(hidden, Tensor) or not recognised.required <= arguments.keys()
             or not (isinstance(rotary, (tuple, list)) and len(rotary) == 2 or rotary is None and recognised.rotary_optional)
             or recognised.sized and hidden.dim() != 3  # the forward's own unpacking raises: let it
             or module.needs_fallback(hidden) or not no_global_hooks()):
@@ -687,6 +721,11 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
         if rotates:
             query, key = rotate(query, key, cos, sin)
         query, key = call_in(plain, norms[0], query), call_in(plain, norms[1], key)
+        batch = store_step(state, paged, key, value, mask)
+    elif recognised.query_scale is not None:  # the rotated queries scaled, as the forward does, before the write
+        if rotates:
+            query, key = rotate(query, key, cos, sin)
+        query = query * recognised.query_scale(module, arguments.get("position_ids"), query)
         batch = store_step(state, paged, key, value, mask)
     elif not rotates:
         batch = store_step(state, paged, key, value, mask)  # the forward's test says: no rotation (or no tables)

@@ -465,3 +465,22 @@ def test_gated_attention_takes_it_bit_for_bit(family):
     direct, *_ = _both_paths_agree(lambda: _rewired_from_config(family, head_dim=16,
                                                                  layer_types=["full_attention"] * 2))
     assert recognise(type(_paged(direct)[0])._hw_agnostic_base).gated
+
+
+def test_queries_scaled_by_their_positions_take_it_bit_for_bit():
+    """Ministral-3 scales the rotated queries by a factor of ``position_ids`` (Llama-4's attention
+    scaling, here past 4 positions) and passes ``position_ids`` on: both paths agree; a call without
+    ``position_ids``, a parameter without a default, is left to the forward (which refuses it)."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.5,
+            "original_max_position_embeddings": 4}
+    direct, counts, _, logits = _both_paths_agree(lambda: _rewired_from_config("ministral3", rope_parameters=rope))
+    attention = _paged(direct)[0]
+    recognised = recognise(type(attention)._hw_agnostic_base)
+    assert recognised.query_scale is not None and "position_ids" in recognised.required
+    unscaled = _rewired_from_config("ministral3", rope_parameters={**rope, "original_max_position_embeddings": 64})
+    assert not torch.equal(_generate(unscaled, prompt(batch=1, length=14))[1], logits)  # the scale matters
+    cos = sin = torch.ones(1, 3, attention.head_dim)
+    with pytest.raises(TypeError, match="position_ids"), torch.no_grad():
+        attention(torch.randn(1, 3, direct.config.hidden_size), attention_mask=None, position_embeddings=(cos, sin),
+                  past_key_values=DynamicCache(config=direct.config))
+    assert counts["declined"] == 1
