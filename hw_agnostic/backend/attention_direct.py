@@ -595,8 +595,9 @@ def _head_views(merged: Tensor, hidden_shape: tuple[int, ...], heads: tuple[int,
     value heads of a merged projection's output ``[B, T, W]`` (``hidden_shape``: ``(B, T, -1, head_dim)``,
     every part whole heads). Outside a trace, for a contiguous output, the transposed view is one
     ``as_strided`` of the same sizes, strides and offset (under ``no_grad`` each view op also records
-    its view: 3 µs a decode layer less in place); a traced call keeps the forward's own ops."""
-    if plain and merged.is_contiguous():
+    its view: 3 µs a decode layer less in place); a traced call, and a tensor subclass (whose
+    ``as_strided`` is its own), keep the forward's own ops."""
+    if plain and type(merged) is Tensor and merged.is_contiguous():
         batch, tokens, width = merged.shape
         head_dim = hidden_shape[-1]
         transposed = merged.as_strided((batch, width // head_dim, tokens, head_dim), (tokens * width, head_dim, width, 1))
