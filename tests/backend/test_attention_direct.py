@@ -15,7 +15,8 @@ from transformers.models.phi3.modeling_phi3 import Phi3Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from hw_agnostic import rewire
-from hw_agnostic.backend.attention_direct import _TEMPLATE, _head_counts, _head_views, _sliced_heads, recognise
+from hw_agnostic.backend.attention_direct import _head_counts, _head_views, _sliced_heads
+from hw_agnostic.backend.attention_forms import _TEMPLATE, recognise
 from hw_agnostic.layers.attention import _STATE, PagedAttention
 from hw_agnostic.layers.qkv import QKVProjection
 
