@@ -182,7 +182,7 @@ def _sliced_heads(module: nn.Module, qkv: Tensor, hidden_shape: tuple[int, ...],
 
 
 _UNSET = object()
-_PROJ, _O_PROJ = ("proj",), ("o_proj",)
+_PROJ = ("proj",)
 
 
 def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[str, Any]) -> Any:
@@ -297,7 +297,7 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     for name, value_of in recognised.forwarded:
         kwargs[name] = value_of(module)
     out, weights = attend_paged(module, state, batch, query, key, value, mask, module.scaling, 0.0, kwargs)
-    (o_proj,) = own_attributes(module, "_modules", _O_PROJ)
+    (o_proj,) = own_attributes(module, "_modules", recognised.out_names)
     out = out.reshape(*input_shape, -1).contiguous()
     if gate is not None:
         out = out * torch.sigmoid(gate)

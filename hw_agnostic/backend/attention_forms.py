@@ -18,7 +18,9 @@ self-attention (5 more) norm the transposed heads in statements of their own; Co
 FlexOlmo and MiniMax-M2 (4 more) the whole q and k projections before splitting them into heads;
 NanoChat and HunYuan (4 more, HunYuan's norms named ``query_layernorm`` / ``key_layernorm``) the
 heads after the rotary embedding, which the step's write then stores as they are
-(:data:`_QK_NORM_TEMPLATES`). The direct path calls those two modules (their hooks too) on the
+(:data:`_QK_NORM_TEMPLATES`). The q / k norms and the output projection may go by other names
+(:data:`_CHILD_NAMES`; LFM2's ``q_layernorm`` / ``k_layernorm`` / ``out_proj``), the views be spelt
+``view(*hidden_shape)`` and the projected output be returned under another name used nowhere else. The direct path calls those two modules (their hooks too) on the
 same tensors. Phi-3 and Phi-4-multimodal project q, k and v in one ``qkv_proj`` and slice it by
 the config's head counts (:data:`_FUSED_TEMPLATE`); the direct path calls that module as a module
 (its hooks run) and takes the same views of its output. Starcoder2 and Seed-OSS run the template
@@ -124,7 +126,7 @@ _VIEWS = """\
 #: ``self.use_qk_norm`` is true, in statements of their own (Cohere, GLM-4-MoE); ``"whole"``, to the
 #: whole q and k projections before their heads are split off (OLMo-2); and after the rotary
 #: embedding, ``"after rotary"``, to the rotated heads (NanoChat; HunYuan, whose norms are
-#: ``query_layernorm`` / ``key_layernorm``: :data:`_NORM_NAMES`).
+#: ``query_layernorm`` / ``key_layernorm``: :data:`_CHILD_NAMES`).
 _QK_NORM_TEMPLATES = {
     "heads": _TEMPLATE.replace(
         "query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
@@ -154,8 +156,9 @@ _QK_NORM_TEMPLATES = {
         "    query_states = self.q_norm(query_states)\n"
         "    key_states = self.k_norm(key_states)\n"),
 }
-#: the names a forward may call its q / k norms by, as the templates call them
-_NORM_NAMES = {"query_layernorm": "q_norm", "key_layernorm": "k_norm"}
+#: the names a forward may call its q / k norms and output projection by, as the templates call them
+_CHILD_NAMES = {"query_layernorm": "q_norm", "key_layernorm": "k_norm", "q_layernorm": "q_norm",
+                "k_layernorm": "k_norm", "out_proj": "o_proj"}
 
 #: the in-place clamps of OLMo's and OLMoE's projections, where the config says so
 _CLIP = """\
@@ -170,7 +173,7 @@ _CLIP = """\
 #: ``view(*hidden_shape)``), by their q/k norm form.
 _CLIPPED_TEMPLATES = {
     None: _TEMPLATE.replace(_PARTS, _WHOLE + _CLIP + _VIEWS),
-    "whole": _TEMPLATE.replace(_PARTS, _WHOLE_NORMED + _CLIP + _VIEWS.replace("view(hidden_shape)", "view(*hidden_shape)")),
+    "whole": _TEMPLATE.replace(_PARTS, _WHOLE_NORMED + _CLIP + _VIEWS),
 }
 
 _ROTARY = "    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)\n"
@@ -248,6 +251,7 @@ class Recognised:
     # the factor of the rotated queries, of ``(self, position_ids, query_states)`` (:data:`_SCALED_QUERY_TEMPLATE`)
     query_scale: Optional[Callable[[nn.Module, Any, Tensor], Any]] = None
     required: frozenset[str] = frozenset()  # the parameters without a default: a call without one is the forward's
+    out_names: tuple[str] = ("o_proj",)  # the child the forward calls its output projection (as one name)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Recognised again where it is unpickled (code and the forwarded functions do not pickle)."""
@@ -262,16 +266,18 @@ class _Unify(ast.NodeTransformer):
         self.cache_name = cache_name
         self.forwarded: dict[str, ast.expr] = {}
         self.rotary_condition: Optional[ast.expr] = None
-        self.norm_names: dict[str, set[str]] = {}  # each template norm name: the names the forward calls it by
+        self.child_names: dict[str, set[str]] = {}  # each template child name: the names the forward calls it by
         self.passes_position_ids = False
         self.query_scale: Optional[ast.expr] = None
 
     def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
+        """``self.<child>`` for the q / k norms and the output projection, by the templates' names
+        (:data:`_CHILD_NAMES`), the forward's own names kept in :attr:`child_names`."""
         self.generic_visit(node)
-        if isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr in ("q_norm", "k_norm",
-                                                                                            *_NORM_NAMES):
-            unified = _NORM_NAMES.get(node.attr, node.attr)
-            self.norm_names.setdefault(unified, set()).add(node.attr)
+        if isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr in (
+                "q_norm", "k_norm", "o_proj", *_CHILD_NAMES):
+            unified = _CHILD_NAMES.get(node.attr, node.attr)
+            self.child_names.setdefault(unified, set()).add(node.attr)
             return ast.Attribute(value=node.value, attr=unified, ctx=node.ctx)
         return node
 
@@ -306,6 +312,9 @@ class _Unify(ast.NodeTransformer):
 
     def visit_Call(self, node: ast.Call) -> ast.Call:
         self.generic_visit(node)
+        if (isinstance(node.func, ast.Attribute) and node.func.attr == "view" and len(node.args) == 1
+                and isinstance(node.args[0], ast.Starred) and ast.dump(node.args[0].value) == _expression("hidden_shape")):
+            node.args = [node.args[0].value]  # ``view(*hidden_shape)``: the same view as ``view(hidden_shape)``
         if isinstance(node.func, ast.Name) and node.func.id == "attention_interface":
             kept = []
             for keyword in node.keywords:
@@ -344,6 +353,27 @@ def _is_output_dropout(statement: ast.stmt) -> bool:
             and set(keywords) == {"p", "training"} and ast.dump(keywords["training"]) == _expression("self.training"))
 
 
+def _output_named_as_template(function: ast.FunctionDef, statements: list[ast.stmt]) -> list[ast.stmt]:
+    """``statements`` with a last ``output = self.<proj>(attn_output)`` / ``return output, attn_weights``
+    (LFM2) named as the template's ``attn_output``, where ``output`` is that name's only use."""
+    if len(statements) < 2:
+        return statements
+    project, returned = statements[-2], statements[-1]
+    if not (isinstance(project, (ast.Assign, ast.AnnAssign)) and isinstance(returned, ast.Return)):
+        return statements
+    target = project.targets[0] if isinstance(project, ast.Assign) and len(project.targets) == 1 else getattr(
+        project, "target", None)
+    value = returned.value
+    if not (isinstance(target, ast.Name) and target.id != "attn_output" and isinstance(value, ast.Tuple)
+            and len(value.elts) == 2 and ast.dump(value.elts[0]) == ast.dump(ast.Name(id=target.id, ctx=ast.Load()))):
+        return statements
+    if sum(isinstance(n, ast.Name) and n.id == target.id for n in ast.walk(function)) != 2:
+        return statements
+    renamed = ast.Assign(targets=[ast.Name(id="attn_output", ctx=ast.Store())], value=project.value)
+    back = ast.Return(value=ast.Tuple(elts=[ast.Name(id="attn_output", ctx=ast.Load()), value.elts[1]], ctx=ast.Load()))
+    return [*statements[:-2], renamed, back]
+
+
 def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], "_Unify", bool]]:
     """The unified statements of ``function``, what unifying them set aside (:class:`_Unify`: the
     forwarded keywords, the rotary test, the q / k norms' names, the queries' scale) and whether it
@@ -364,6 +394,7 @@ def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], "_Unify", bool
     if statements and isinstance(statements[0], ast.Expr) and isinstance(statements[0].value, ast.Constant):
         statements = statements[1:]  # the docstring
     kept = [statement for statement in statements if not _is_output_dropout(statement)]
+    kept = _output_named_as_template(function, kept)
     unify = _Unify(cache[0])
     dumps = [ast.dump(unify.visit(statement)) for statement in kept]
     if unify.passes_position_ids != ("position_ids" in names):
@@ -429,9 +460,10 @@ def recognise(cls: type) -> Optional[Recognised]:
         return None
     form, conditional = found
     dumps, unify, dropped = parsed
-    if any(len(names) > 1 for names in unify.norm_names.values()):
+    if any(len(names) > 1 for names in unify.child_names.values()):
         return None  # two modules it calls by one name of the templates'
-    norm_names = tuple(next(iter(unify.norm_names.get(name, {name}))) for name in ("q_norm", "k_norm"))
+    norm_names = tuple(next(iter(unify.child_names.get(name, {name}))) for name in ("q_norm", "k_norm"))
+    out_names = (next(iter(unify.child_names.get("o_proj", {"o_proj"}))),)
     if dropped and inner.__globals__.get("nn") is not nn:  # its dropout is not torch's
         return None
     if form.gated and inner.__globals__.get("torch") is not torch:  # its chunk and sigmoid are not torch's
@@ -460,4 +492,4 @@ def recognise(cls: type) -> Optional[Recognised]:
     required = frozenset(a.arg for a in args.args[1:len(args.args) - len(args.defaults)])
     return Recognised(inner.__code__, tuple((name, evaluated[name]) for name in unify.forwarded), cls, form.qk_norms,
                       form.fused, form.clipped, evaluated.get("rotary condition"), norm_names, optional, form.sized,
-                      form.gated, evaluated.get("query scale"), required)
+                      form.gated, evaluated.get("query scale"), required, out_names)

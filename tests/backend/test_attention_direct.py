@@ -485,3 +485,20 @@ def test_queries_scaled_by_their_positions_take_it_bit_for_bit():
         attention(torch.randn(1, 3, direct.config.hidden_size), attention_mask=None, position_embeddings=(cos, sin),
                   past_key_values=DynamicCache(config=direct.config))
     assert counts["declined"] == 1
+
+
+@pytest.mark.parametrize("family", ["lfm2", "lfm2_moe"])
+def test_children_and_output_named_otherwise_take_it_bit_for_bit(family):
+    """LFM2 names its head norms ``q_layernorm`` / ``k_layernorm`` and its output projection
+    ``out_proj``, spells the views ``view(*hidden_shape)`` and returns the projection as ``output``:
+    the same calls, made on those children; both paths agree, and ``out_proj``'s hook fires."""
+    extra = dict(num_experts=4, num_experts_per_tok=2, num_dense_layers=0) if family == "lfm2_moe" else {}
+    direct, *_ = _both_paths_agree(lambda: _rewired_from_config(family, layer_types=["full_attention"] * 2, **extra))
+    attention = _paged(direct)[0]
+    recognised = recognise(type(attention)._hw_agnostic_base)
+    assert recognised.norm_names == ("q_layernorm", "k_layernorm") and recognised.out_names == ("out_proj",)
+    fired = []
+    attention.out_proj.register_forward_hook(lambda *_: fired.append(1))
+    with torch.no_grad():
+        direct(prompt(batch=1, length=3))
+    assert fired == [1]
