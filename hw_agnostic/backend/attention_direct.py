@@ -219,6 +219,9 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     else:
         qkv = _merged_projection(children)
     norms = _qk_norms(children, recognised.norm_names) if qk_norms else None
+    sub_norm = children.get("attn_sub_norm") if recognised.sub_norm else None
+    if recognised.sub_norm and not isinstance(sub_norm, nn.Module):
+        return NotImplemented
     namespace = _namespace(state.base_forward, recognised.code)
     layer_idx = getattr(module, "layer_idx", None)
     if (qkv is None or namespace is None or type(layer_idx) is not int or _mapped_kernel(module)
@@ -301,6 +304,8 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     out = out.reshape(*input_shape, -1).contiguous()
     if gate is not None:
         out = out * torch.sigmoid(gate)
+    if sub_norm is not None:
+        out = call_in(plain, sub_norm, out)
     return call_in(plain, o_proj, out), weights
 
 

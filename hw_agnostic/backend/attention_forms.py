@@ -20,7 +20,8 @@ NanoChat and HunYuan (4 more, HunYuan's norms named ``query_layernorm`` / ``key_
 heads after the rotary embedding, which the step's write then stores as they are
 (:data:`_QK_NORM_TEMPLATES`). The q / k norms and the output projection may go by other names
 (:data:`_CHILD_NAMES`; LFM2's ``q_layernorm`` / ``k_layernorm`` / ``out_proj``), the views be spelt
-``view(*hidden_shape)`` and the projected output be returned under another name used nowhere else. The direct path calls those two modules (their hooks too) on the
+``view(*hidden_shape)`` and the projected output be returned under another name used nowhere else.
+BitNet norms the merged heads with ``self.attn_sub_norm`` before ``o_proj`` (:data:`_SUB_NORMED_TEMPLATE`). The direct path calls those two modules (their hooks too) on the
 same tensors. Phi-3 and Phi-4-multimodal project q, k and v in one ``qkv_proj`` and slice it by
 the config's head counts (:data:`_FUSED_TEMPLATE`); the direct path calls that module as a module
 (its hooks run) and takes the same views of its output. Starcoder2 and Seed-OSS run the template
@@ -220,6 +221,10 @@ _QUERY_SCALE = "__query_scale__"
 #: ``position_ids``, ``query_states`` and the module's globals.
 _SCALED_QUERY_TEMPLATE = _TEMPLATE.replace(_ROTARY, _ROTARY + f"    query_states = query_states * {_QUERY_SCALE}\n")
 
+_MERGED = "    attn_output = attn_output.reshape(*input_shape, -1).contiguous()\n"
+#: BitNet's form: the merged heads normed by ``self.attn_sub_norm`` before ``o_proj``.
+_SUB_NORMED_TEMPLATE = _TEMPLATE.replace(_MERGED, _MERGED + "    attn_output = self.attn_sub_norm(attn_output)\n")
+
 #: The template with one projection of q, k and v together, ``qkv_proj``, sliced by the config's head
 #: counts (Phi-3, Phi-4-multimodal).
 _FUSED_TEMPLATE = _TEMPLATE.replace(_PARTS, """\
@@ -252,6 +257,7 @@ class Recognised:
     query_scale: Optional[Callable[[nn.Module, Any, Tensor], Any]] = None
     required: frozenset[str] = frozenset()  # the parameters without a default: a call without one is the forward's
     out_names: tuple[str] = ("o_proj",)  # the child the forward calls its output projection (as one name)
+    sub_norm: bool = False  # the forward is :data:`_SUB_NORMED_TEMPLATE`'s: ``attn_sub_norm`` of the merged heads
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Recognised again where it is unpickled (code and the forwarded functions do not pickle)."""
@@ -411,6 +417,7 @@ class _Form(NamedTuple):
     sized: bool = False
     gated: bool = False
     scaled_query: bool = False
+    sub_norm: bool = False
 
 
 #: every recognised form but a conditional rotary embedding's, with its source
@@ -421,6 +428,7 @@ _BASE_FORMS = (
     (_SIZED_TEMPLATE, _Form(sized=True)),
     (_GATED_TEMPLATE, _Form(qk_norms="heads", gated=True)),
     (_SCALED_QUERY_TEMPLATE, _Form(scaled_query=True)),
+    (_SUB_NORMED_TEMPLATE, _Form(sub_norm=True)),
     *((source, _Form(qk_norms=form, clipped=True)) for form, source in _CLIPPED_TEMPLATES.items()),
 )
 #: every recognised form: its source, its :class:`_Form` and whether its rotary
@@ -492,4 +500,4 @@ def recognise(cls: type) -> Optional[Recognised]:
     required = frozenset(a.arg for a in args.args[1:len(args.args) - len(args.defaults)])
     return Recognised(inner.__code__, tuple((name, evaluated[name]) for name in unify.forwarded), cls, form.qk_norms,
                       form.fused, form.clipped, evaluated.get("rotary condition"), norm_names, optional, form.sized,
-                      form.gated, evaluated.get("query scale"), required, out_names)
+                      form.gated, evaluated.get("query scale"), required, out_names, form.sub_norm)

@@ -502,3 +502,16 @@ def test_children_and_output_named_otherwise_take_it_bit_for_bit(family):
     with torch.no_grad():
         direct(prompt(batch=1, length=3))
     assert fired == [1]
+
+
+def test_merged_heads_normed_before_the_output_projection_take_it_bit_for_bit():
+    """BitNet norms the merged heads with ``self.attn_sub_norm`` before ``o_proj``: the direct path
+    calls that module (its hooks too) on the same tensor."""
+    direct, *_ = _both_paths_agree(lambda: _rewired_from_config("bitnet"))
+    attention = _paged(direct)[0]
+    assert recognise(type(attention)._hw_agnostic_base).sub_norm
+    seen = []
+    attention.attn_sub_norm.register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        direct(prompt(batch=1, length=3))
+    assert seen == [(1, 3, direct.config.num_attention_heads * attention.head_dim)]
