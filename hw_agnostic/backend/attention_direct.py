@@ -277,24 +277,20 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
         query, key = call_in(plain, norms[0], query), call_in(plain, norms[1], key)
     cos, sin = rotary if rotary is not None else (None, None)
     rotate, mask = namespace["apply_rotary_pos_emb"], arguments.get("attention_mask")
+    # (no rotation where the forward's test says so, or the call brings no tables)
     rotates = rotary is not None and (recognised.rotary_condition is None or recognised.rotary_condition(module))
-    if qk_norms == "after rotary":  # the rotated heads normed: the write stores them as they come
-        if rotates:
-            query, key = rotate(query, key, cos, sin)
-        query, key = call_in(plain, norms[0], query), call_in(plain, norms[1], key)
-        batch = store_step(state, paged, key, value, mask)
-    elif recognised.query_scale is not None:  # the rotated queries scaled, as the forward does, before the write
-        if rotates:
-            query, key = rotate(query, key, cos, sin)
-        query = query * recognised.query_scale(module, arguments.get("position_ids"), query)
-        batch = store_step(state, paged, key, value, mask)
-    elif not rotates:
-        batch = store_step(state, paged, key, value, mask)  # the forward's test says: no rotation (or no tables)
-    elif _rotates_in_the_write(rotate, query, key, value, cos, sin, paged):
+    # the rotated heads normed or the rotated queries scaled: the write stores them as they come
+    changed_after = qk_norms == "after rotary" or recognised.query_scale is not None
+    if rotates and not changed_after and _rotates_in_the_write(rotate, query, key, value, cos, sin, paged):
         batch = store_step(state, paged, key, value, mask, (query, cos, sin))
         query, key = batch.query_states, batch.key_states
     else:
-        query, key = rotate(query, key, cos, sin)
+        if rotates:
+            query, key = rotate(query, key, cos, sin)
+        if qk_norms == "after rotary":
+            query, key = call_in(plain, norms[0], query), call_in(plain, norms[1], key)
+        if recognised.query_scale is not None:
+            query = query * recognised.query_scale(module, arguments.get("position_ids"), query)
         batch = store_step(state, paged, key, value, mask)
     state.kv = paged.store
     for name, value_of in recognised.forwarded:

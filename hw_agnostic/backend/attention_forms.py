@@ -160,6 +160,7 @@ _QK_NORM_TEMPLATES = {
 #: the names a forward may call its q / k norms and output projection by, as the templates call them
 _CHILD_NAMES = {"query_layernorm": "q_norm", "key_layernorm": "k_norm", "q_layernorm": "q_norm",
                 "k_layernorm": "k_norm", "out_proj": "o_proj"}
+_RENAMED_CHILDREN = frozenset({*_CHILD_NAMES, *_CHILD_NAMES.values()})
 
 #: the in-place clamps of OLMo's and OLMoE's projections, where the config says so
 _CLIP = """\
@@ -280,8 +281,7 @@ class _Unify(ast.NodeTransformer):
         """``self.<child>`` for the q / k norms and the output projection, by the templates' names
         (:data:`_CHILD_NAMES`), the forward's own names kept in :attr:`child_names`."""
         self.generic_visit(node)
-        if isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr in (
-                "q_norm", "k_norm", "o_proj", *_CHILD_NAMES):
+        if isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr in _RENAMED_CHILDREN:
             unified = _CHILD_NAMES.get(node.attr, node.attr)
             self.child_names.setdefault(unified, set()).add(node.attr)
             return ast.Attribute(value=node.value, attr=unified, ctx=node.ctx)
