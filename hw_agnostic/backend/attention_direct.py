@@ -212,6 +212,8 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     qk_norms = recognised.qk_norms
     if qk_norms == "optional heads":  # the forward's ``if self.use_qk_norm:``
         qk_norms = "heads" if module.use_qk_norm else None
+    elif qk_norms == "optional transposed":  # ``if self.qk_layernorm:``
+        qk_norms = "transposed" if module.qk_layernorm else None
     children = module._modules
     if recognised.fused:  # called as the forward calls it (its hooks run), whatever module it is
         qkv = children.get("qkv_proj")
@@ -281,11 +283,22 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     rotates = rotary is not None and (recognised.rotary_condition is None or recognised.rotary_condition(module))
     # the rotated heads normed or the rotated queries scaled: the write stores them as they come
     changed_after = qk_norms == "after rotary" or recognised.query_scale is not None
-    if rotates and not changed_after and _rotates_in_the_write(rotate, query, key, value, cos, sin, paged):
+    rotated = (query, key)  # what the forward rotates: each head, or its first ``rotary_ndims`` dims
+    writable = rotates and not changed_after
+    if rotates and recognised.partial_rotary:
+        dims = module.rotary_ndims
+        rotated, passed = (query[..., :dims], key[..., :dims]), (query[..., dims:], key[..., dims:])
+        # the write rotates as many dims as the tables are wide and passes the rest on, as the forward's
+        # cat does: where the tables are as wide as the forward's slices (else its rotary call has its say)
+        writable = writable and getattr(cos, "shape", (None,))[-1] == dims
+    if writable and _rotates_in_the_write(rotate, *rotated, value, cos, sin, paged):
         batch = store_step(state, paged, key, value, mask, (query, cos, sin))
         query, key = batch.query_states, batch.key_states
     else:
-        if rotates:
+        if rotates and recognised.partial_rotary:
+            rotated = rotate(*rotated, cos, sin)
+            query, key = torch.cat((rotated[0], passed[0]), dim=-1), torch.cat((rotated[1], passed[1]), dim=-1)
+        elif rotates:
             query, key = rotate(query, key, cos, sin)
         if qk_norms == "after rotary":
             query, key = call_in(plain, norms[0], query), call_in(plain, norms[1], key)

@@ -113,6 +113,16 @@ _WHOLE_NORMED = """\
     key_states = self.k_norm(self.k_proj(hidden_states))
     value_states = self.v_proj(hidden_states)
 """
+#: each part's heads, transposed in statements of their own: the same views as :data:`_PARTS` (GLM-4V-MoE's
+#: and GLM-Image's text towers)
+_TRANSPOSED_APART = """\
+    query_states = self.q_proj(hidden_states).view(hidden_shape)
+    key_states = self.k_proj(hidden_states).view(hidden_shape)
+    value_states = self.v_proj(hidden_states).view(hidden_shape)
+    query_states = query_states.transpose(1, 2)
+    key_states = key_states.transpose(1, 2)
+    value_states = value_states.transpose(1, 2)
+"""
 #: the heads split off the whole projections, as statements of their own
 _VIEWS = """\
     query_states = query_states.view(hidden_shape).transpose(1, 2)
@@ -124,7 +134,8 @@ _VIEWS = """\
 #: they are applied: ``"heads"``, to each part's ``[B, T, H, D]`` heads before the transpose (Qwen3 and
 #: its derivatives, dots1, Mellum); ``"transposed"``, to the transposed ``[B, H, T, D]`` heads, as
 #: statements of their own (Gemma-3, Apertus, HY-V3); ``"optional heads"``, as ``"heads"`` where
-#: ``self.use_qk_norm`` is true, in statements of their own (Cohere, GLM-4-MoE); ``"whole"``, to the
+#: ``self.use_qk_norm`` is true, in statements of their own (Cohere, GLM-4-MoE); ``"optional
+#: transposed"``, as ``"transposed"`` where ``self.qk_layernorm`` is true (Phi); ``"whole"``, to the
 #: whole q and k projections before their heads are split off (OLMo-2); and after the rotary
 #: embedding, ``"after rotary"``, to the rotated heads (NanoChat; HunYuan, whose norms are
 #: ``query_layernorm`` / ``key_layernorm``: :data:`_CHILD_NAMES`).
@@ -150,6 +161,11 @@ _QK_NORM_TEMPLATES = {
     key_states = key_states.transpose(1, 2)
     value_states = value_states.transpose(1, 2)
 """),
+    "optional transposed": _TEMPLATE.replace(_PARTS, _PARTS + """\
+    if self.qk_layernorm:
+        query_states = self.q_norm(query_states)
+        key_states = self.k_norm(key_states)
+"""),
     "whole": _TEMPLATE.replace(_PARTS, _WHOLE_NORMED + _VIEWS),
     "after rotary": _TEMPLATE.replace(
         "    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)\n",
@@ -159,7 +175,7 @@ _QK_NORM_TEMPLATES = {
 }
 #: the names a forward may call its q / k norms and output projection by, as the templates call them
 _CHILD_NAMES = {"query_layernorm": "q_norm", "key_layernorm": "k_norm", "q_layernorm": "q_norm",
-                "k_layernorm": "k_norm", "out_proj": "o_proj"}
+                "k_layernorm": "k_norm", "out_proj": "o_proj", "dense": "o_proj"}
 _RENAMED_CHILDREN = frozenset({*_CHILD_NAMES, *_CHILD_NAMES.values()})
 
 #: the in-place clamps of OLMo's and OLMoE's projections, where the config says so
@@ -180,6 +196,15 @@ _CLIPPED_TEMPLATES = {
 
 _ROTARY = "    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)\n"
 _UNPACK = "    cos, sin = position_embeddings\n"
+#: The rotary embedding of the first ``self.rotary_ndims`` dims of each head, the rest passed on (Phi):
+#: each head sliced in two, the first parts rotated, the two concatenated again.
+_PARTIAL_ROTARY = """\
+    query_rot, query_pass = (query_states[..., : self.rotary_ndims], query_states[..., self.rotary_ndims :])
+    key_rot, key_pass = (key_states[..., : self.rotary_ndims], key_states[..., self.rotary_ndims :])
+    query_rot, key_rot = apply_rotary_pos_emb(query_rot, key_rot, cos, sin)
+    query_states = torch.cat((query_rot, query_pass), dim=-1)
+    key_states = torch.cat((key_rot, key_pass), dim=-1)
+"""
 #: what stands for the test of an ``if`` around the rotary embedding (see :class:`_Unify`)
 _CONDITION = "__rotary_condition__"
 #: A form's rotary embedding applied only where a test of the module's own attributes holds, read on
@@ -259,6 +284,7 @@ class Recognised:
     required: frozenset[str] = frozenset()  # the parameters without a default: a call without one is the forward's
     out_names: tuple[str] = ("o_proj",)  # the child the forward calls its output projection (as one name)
     sub_norm: bool = False  # the forward is :data:`_SUB_NORMED_TEMPLATE`'s: ``attn_sub_norm`` of the merged heads
+    partial_rotary: bool = False  # the forward rotates the first ``self.rotary_ndims`` dims (:data:`_PARTIAL_ROTARY`)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Recognised again where it is unpickled (code and the forwarded functions do not pickle)."""
@@ -418,11 +444,15 @@ class _Form(NamedTuple):
     gated: bool = False
     scaled_query: bool = False
     sub_norm: bool = False
+    partial_rotary: bool = False
 
 
 #: every recognised form but a conditional rotary embedding's, with its source
 _BASE_FORMS = (
+    *((source.replace(_ROTARY, _PARTIAL_ROTARY), _Form(qk_norms=form, partial_rotary=True))
+      for source, form in ((_TEMPLATE, None), (_QK_NORM_TEMPLATES["optional transposed"], "optional transposed"))),
     (_TEMPLATE, _Form()),
+    (_TEMPLATE.replace(_PARTS, _TRANSPOSED_APART), _Form()),
     *((source, _Form(qk_norms=form)) for form, source in _QK_NORM_TEMPLATES.items()),
     (_FUSED_TEMPLATE, _Form(fused=True)),
     (_SIZED_TEMPLATE, _Form(sized=True)),
@@ -474,8 +504,8 @@ def recognise(cls: type) -> Optional[Recognised]:
     out_names = (next(iter(unify.child_names.get("o_proj", {"o_proj"}))),)
     if dropped and inner.__globals__.get("nn") is not nn:  # its dropout is not torch's
         return None
-    if form.gated and inner.__globals__.get("torch") is not torch:  # its chunk and sigmoid are not torch's
-        return None
+    if (form.gated or form.partial_rotary) and inner.__globals__.get("torch") is not torch:
+        return None  # its chunk and sigmoid, or its cat, are not torch's
     local = {a.arg for a in function.args.args} | {function.args.kwarg.arg} | {
         n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     # ``if position_embeddings is not None:`` (Granite-4.0's hybrid): no test of ``self``, the call's own tables
@@ -500,4 +530,5 @@ def recognise(cls: type) -> Optional[Recognised]:
     required = frozenset(a.arg for a in args.args[1:len(args.args) - len(args.defaults)])
     return Recognised(inner.__code__, tuple((name, evaluated[name]) for name in unify.forwarded), cls, form.qk_norms,
                       form.fused, form.clipped, evaluated.get("rotary condition"), norm_names, optional, form.sized,
-                      form.gated, evaluated.get("query scale"), required, out_names, form.sub_norm)
+                      form.gated, evaluated.get("query scale"), required, out_names, form.sub_norm,
+                      form.partial_rotary)

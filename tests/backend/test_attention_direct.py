@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 import textwrap
 
@@ -14,7 +15,7 @@ from transformers.models.olmo2.modeling_olmo2 import Olmo2Attention
 from transformers.models.phi3.modeling_phi3 import Phi3Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
-from hw_agnostic import rewire
+from hw_agnostic import ops, rewire
 from hw_agnostic.backend.attention_direct import _head_counts, _head_views, _sliced_heads
 from hw_agnostic.backend.attention_forms import _TEMPLATE, recognise
 from hw_agnostic.layers.attention import _STATE, PagedAttention
@@ -515,3 +516,58 @@ def test_merged_heads_normed_before_the_output_projection_take_it_bit_for_bit():
     with torch.no_grad():
         direct(prompt(batch=1, length=3))
     assert seen == [(1, 3, direct.config.num_attention_heads * attention.head_dim)]
+
+
+@pytest.mark.parametrize("qk_layernorm", [False, True])
+@pytest.mark.parametrize("partial_rotary_factor", [0.5, 1.0])
+def test_a_partial_rotary_embedding_takes_it_bit_for_bit(qk_layernorm, partial_rotary_factor):
+    """Phi rotates the first ``rotary_ndims`` dims of each head (slices, rotates, concatenates), norms
+    the transposed heads where ``self.qk_layernorm`` says, and projects with ``dense``: both paths
+    agree, the step's write rotates the queries and keys after the first call, and the flag is read
+    on every call."""
+    direct, counts, _, _ = _both_paths_agree(lambda: _rewired_from_config(
+        "phi", qk_layernorm=qk_layernorm, partial_rotary_factor=partial_rotary_factor))
+    attention = _paged(direct)[0]
+    recognised = recognise(type(attention)._hw_agnostic_base)
+    assert recognised.partial_rotary and recognised.qk_norms == "optional transposed"
+    assert recognised.out_names == ("dense",)
+    with torch.no_grad(), ops.trace_dispatch() as ran:
+        direct(prompt(batch=1, length=3))
+    names = [plan.op for plan in ran]
+    assert names.count("rotary_write_kv_cache") == 2 and "rotary_embedding" not in names and counts["declined"] == 0
+    if qk_layernorm:  # the flag is read per call: off, the norms are not called
+        seen = []
+        attention.q_layernorm.register_forward_hook(lambda *_: seen.append("q"))
+        attention.qk_layernorm = False
+        with torch.no_grad():
+            direct(prompt(batch=1, length=3))
+        assert seen == [] and counts["declined"] == 0
+
+
+def _llama_spelt(tmp_path, source):
+    """A tiny Llama whose attention forward is ``source`` (run in Llama's modeling namespace), rewired."""
+    path = tmp_path / "spelt.py"  # inspect.getsource reads the forward's file
+    path.write_text(source)
+    namespace = dict(vars(modeling_llama))
+    exec(compile(source, str(path), "exec"), namespace)  # noqa: S102 - test source
+    spelt = type("SpeltAttention", (modeling_llama.LlamaAttention,), {"forward": namespace["forward"]})
+    model = build("llama")
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = spelt
+    rewire(model)
+    return model
+
+
+def test_heads_transposed_in_statements_of_their_own_take_it_bit_for_bit(tmp_path):
+    """GLM-4V-MoE's and GLM-Image's text attention view each part's heads, then transpose them in
+    statements of their own: the same views as the template's, so the same direct path (here
+    Llama's forward so spelt)."""
+    parts = "".join(f"        {name}_states = self.{name[0]}_proj(hidden_states).view(hidden_shape).transpose(1, 2)\n"
+                    for name in ("query", "key", "value"))
+    apart = "".join(f"        {name}_states = self.{name[0]}_proj(hidden_states).view(hidden_shape)\n"
+                    for name in ("query", "key", "value")) + "".join(
+        f"        {name}_states = {name}_states.transpose(1, 2)\n" for name in ("query", "key", "value"))
+    llama = inspect.getsource(modeling_llama.LlamaAttention.forward)
+    assert parts in llama
+    direct, *_ = _both_paths_agree(lambda: _llama_spelt(tmp_path, textwrap.dedent(llama.replace(parts, apart))))
+    assert recognise(type(_paged(direct)[0])._hw_agnostic_base) is not None
