@@ -199,7 +199,7 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     for name, given in arguments.items():  # a loop, not generators (about 1 µs less), which Dynamo traces too
         if name in _PASSED_ON:
             return NotImplemented
-        if name not in _NOT_PASSED_ON:
+        if name not in _NOT_PASSED_ON and name not in state.cache_names:
             kwargs[name] = given
     cache = None
     for name in state.cache_names:
@@ -215,8 +215,8 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     elif qk_norms == "optional transposed":  # ``if self.qk_layernorm:``
         qk_norms = "transposed" if module.qk_layernorm else None
     children = module._modules
-    if recognised.fused:  # called as the forward calls it (its hooks run), whatever module it is
-        qkv = children.get("qkv_proj")
+    if recognised.fused or recognised.interleaved:  # called as the forward calls it (its hooks run), whatever it is
+        qkv = children.get("query_key_value" if recognised.interleaved else "qkv_proj")
         qkv = qkv if isinstance(qkv, nn.Module) else None
     else:
         qkv = _merged_projection(children)
@@ -236,12 +236,16 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     # the forward's statements, with the cache binding and the attention function's dispatch inlined
     plain = plain_calls()
     input_shape = hidden.shape[:-1]
-    hidden_shape = (*input_shape, -1, module.head_dim)
     whole = qk_norms == "whole" or recognised.clipped  # the whole projections first, then their heads
-    heads = (_head_counts(type(qkv), qkv.sizes, module.head_dim)
-             if hidden.dim() == 3 and not recognised.fused and not whole and not recognised.gated else None)
+    separate = not (recognised.fused or recognised.interleaved or whole or recognised.gated)
+    head_dim = module.head_size if recognised.interleaved else module.head_dim
+    hidden_shape = (*input_shape, -1, head_dim)
+    heads = _head_counts(type(qkv), qkv.sizes, head_dim) if hidden.dim() == 3 and separate else None
     gate = None
-    if recognised.gated:  # each head's queries and gate chunked apart, as the forward does
+    if recognised.interleaved:  # each head's q, k and v side by side, chunked apart as the forward does
+        qkv_heads = call_in(plain, qkv, hidden).view(*input_shape, -1, 3 * head_dim).transpose(1, 2)
+        query, key, value = qkv_heads.chunk(3, dim=-1)
+    elif recognised.gated:  # each head's queries and gate chunked apart, as the forward does
         q, k, v = qkv.forward(hidden)
         query, gate = torch.chunk(q.view(*input_shape, -1, module.head_dim * 2), 2, dim=-1)
         gate = gate.reshape(*input_shape, -1)

@@ -71,6 +71,9 @@ from torch import Tensor, nn
 
 from ..layers.attention import _CACHE_NAMES
 
+#: the names a recognised forward takes its cache by (GPT-NeoX's ``layer_past`` too)
+_FORWARD_CACHE_NAMES = (*_CACHE_NAMES, "layer_past")
+
 #: the attention call's keywords the direct path evaluates; ``dropout`` is set aside (no call in
 #: training takes the direct path), any other keyword leaves the forward unrecognised
 _FORWARDED = ("sliding_window", "softcap", "s_aux")
@@ -251,6 +254,17 @@ _MERGED = "    attn_output = attn_output.reshape(*input_shape, -1).contiguous()\
 #: BitNet's form: the merged heads normed by ``self.attn_sub_norm`` before ``o_proj``.
 _SUB_NORMED_TEMPLATE = _TEMPLATE.replace(_MERGED, _MERGED + "    attn_output = self.attn_sub_norm(attn_output)\n")
 
+#: GPT-NeoX's form: one projection, ``query_key_value``, holding each head's queries, keys and values
+#: side by side (``3 * self.head_size`` a head), chunked apart; the cache parameter ``layer_past``,
+#: updated without the call's keywords; the output projection ``dense`` (:data:`_CHILD_NAMES`).
+_INTERLEAVED_TEMPLATE = _TEMPLATE.replace(
+    "    hidden_shape = (*input_shape, -1, self.head_dim)\n" + _PARTS, """\
+    hidden_shape = (*input_shape, -1, 3 * self.head_size)
+    qkv = self.query_key_value(hidden_states).view(hidden_shape).transpose(1, 2)
+    query_states, key_states, value_states = qkv.chunk(3, dim=-1)
+""").replace("cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)",
+             "cache.update(key_states, value_states, self.layer_idx)")
+
 #: The template with one projection of q, k and v together, ``qkv_proj``, sliced by the config's head
 #: counts (Phi-3, Phi-4-multimodal).
 _FUSED_TEMPLATE = _TEMPLATE.replace(_PARTS, """\
@@ -285,6 +299,7 @@ class Recognised:
     out_names: tuple[str] = ("o_proj",)  # the child the forward calls its output projection (as one name)
     sub_norm: bool = False  # the forward is :data:`_SUB_NORMED_TEMPLATE`'s: ``attn_sub_norm`` of the merged heads
     partial_rotary: bool = False  # the forward rotates the first ``self.rotary_ndims`` dims (:data:`_PARTIAL_ROTARY`)
+    interleaved: bool = False  # the forward is :data:`_INTERLEAVED_TEMPLATE`'s: each head's q, k, v side by side
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Recognised again where it is unpickled (code and the forwarded functions do not pickle)."""
@@ -413,7 +428,7 @@ def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], "_Unify", bool
     None when its parameters are not the template's."""
     args = function.args
     names = [a.arg for a in args.args]
-    cache = [name for name in names if name in _CACHE_NAMES]
+    cache = [name for name in names if name in _FORWARD_CACHE_NAMES]
     # The template's parameters in any order (the direct path reads its arguments by name), a default
     # only None; and maybe ``position_ids``, which the attention call must then pass on by name (as it
     # would reach the attention function in ``**kwargs`` without the parameter).
@@ -445,6 +460,7 @@ class _Form(NamedTuple):
     scaled_query: bool = False
     sub_norm: bool = False
     partial_rotary: bool = False
+    interleaved: bool = False
 
 
 #: every recognised form but a conditional rotary embedding's, with its source
@@ -455,6 +471,7 @@ _BASE_FORMS = (
     (_TEMPLATE.replace(_PARTS, _TRANSPOSED_APART), _Form()),
     *((source, _Form(qk_norms=form)) for form, source in _QK_NORM_TEMPLATES.items()),
     (_FUSED_TEMPLATE, _Form(fused=True)),
+    (_INTERLEAVED_TEMPLATE, _Form(interleaved=True)),
     (_SIZED_TEMPLATE, _Form(sized=True)),
     (_GATED_TEMPLATE, _Form(qk_norms="heads", gated=True)),
     (_SCALED_QUERY_TEMPLATE, _Form(scaled_query=True)),
@@ -531,4 +548,4 @@ def recognise(cls: type) -> Optional[Recognised]:
     return Recognised(inner.__code__, tuple((name, evaluated[name]) for name in unify.forwarded), cls, form.qk_norms,
                       form.fused, form.clipped, evaluated.get("rotary condition"), norm_names, optional, form.sized,
                       form.gated, evaluated.get("query scale"), required, out_names, form.sub_norm,
-                      form.partial_rotary)
+                      form.partial_rotary, form.interleaved)

@@ -571,3 +571,22 @@ def test_heads_transposed_in_statements_of_their_own_take_it_bit_for_bit(tmp_pat
     assert parts in llama
     direct, *_ = _both_paths_agree(lambda: _llama_spelt(tmp_path, textwrap.dedent(llama.replace(parts, apart))))
     assert recognise(type(_paged(direct)[0])._hw_agnostic_base) is not None
+
+
+@pytest.mark.parametrize("config", [{}, dict(rotary_pct=1.0), dict(use_parallel_residual=False)])
+def test_one_projection_holding_each_heads_q_k_and_v_takes_it_bit_for_bit(config):
+    """GPT-NeoX projects each head's queries, keys and values side by side with ``query_key_value``,
+    chunks them apart, rotates a part of each head (its own ``apply_rotary_pos_emb`` slices by the
+    tables' width), takes its cache as ``layer_past`` and projects with ``dense``: both paths agree,
+    the step's write rotates after the first call, and ``query_key_value``'s hook fires."""
+    direct, counts, _, _ = _both_paths_agree(lambda: _rewired_from_config("gpt_neox", **config))
+    attention = _paged(direct)[0]
+    recognised = recognise(type(attention)._hw_agnostic_base)
+    assert recognised.interleaved and recognised.out_names == ("dense",)
+    fired = []
+    attention.query_key_value.register_forward_hook(lambda *_: fired.append(1))
+    with torch.no_grad(), ops.trace_dispatch() as ran:
+        direct(prompt(batch=1, length=3))
+    names = [plan.op for plan in ran]
+    assert names.count("rotary_write_kv_cache") == 2 and "rotary_embedding" not in names
+    assert fired == [1] and counts["declined"] == 0
