@@ -81,6 +81,14 @@ def _merged_projection(children: dict[str, Optional[nn.Module]]) -> Optional[QKV
     return qkv
 
 
+def _counts_heads(module: nn.Module, qkv: Optional[nn.Module]) -> bool:
+    """Whether the module's head counts (``num_heads``, ``num_key_value_heads``) of ``head_dim`` each are
+    its merged projection's part widths: the forward's views by those counts are then the direct path's."""
+    head_dim, heads, kv_heads = (getattr(module, name, None) for name in ("head_dim", "num_heads", "num_key_value_heads"))
+    return (isinstance(qkv, QKVProjection) and all(type(n) is int for n in (head_dim, heads, kv_heads))
+            and tuple(qkv.sizes) == (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim))
+
+
 @functools.lru_cache(maxsize=64)
 def _head_counts(projection: type, sizes: tuple[int, ...], head_dim: int) -> Optional[tuple[int, ...]]:
     """The heads of q, k and v in a merged projection of ``sizes`` whose forward is
@@ -199,7 +207,7 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     for name, given in arguments.items():  # a loop, not generators (about 1 µs less), which Dynamo traces too
         if name in _PASSED_ON:
             return NotImplemented
-        if name not in _NOT_PASSED_ON and name not in state.cache_names:
+        if name not in _NOT_PASSED_ON and name not in state.cache_names and name not in recognised.ignored:
             kwargs[name] = given
     cache = None
     for name in state.cache_names:
@@ -224,6 +232,8 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     sub_norm = children.get("attn_sub_norm") if recognised.sub_norm else None
     if recognised.sub_norm and not isinstance(sub_norm, nn.Module):
         return NotImplemented
+    if recognised.counted_heads and not _counts_heads(module, qkv):
+        return NotImplemented  # the forward's views by its head counts are not the merged projection's parts: let it say so
     namespace = _namespace(state.base_forward, recognised.code)
     layer_idx = getattr(module, "layer_idx", None)
     if (qkv is None or namespace is None or type(layer_idx) is not int or _mapped_kernel(module)

@@ -254,6 +254,25 @@ _MERGED = "    attn_output = attn_output.reshape(*input_shape, -1).contiguous()\
 #: BitNet's form: the merged heads normed by ``self.attn_sub_norm`` before ``o_proj``.
 _SUB_NORMED_TEMPLATE = _TEMPLATE.replace(_MERGED, _MERGED + "    attn_output = self.attn_sub_norm(attn_output)\n")
 
+#: StableLM's form: the input's batch and query sizes unpacked, the whole projections split into the
+#: module's own head counts (``self.num_heads``, ``self.num_key_value_heads``), the transposed heads
+#: normed where ``self.qk_layernorm`` says so, the first ``rotary_ndims`` dims rotated
+#: (:data:`_PARTIAL_ROTARY`), ``position_ids`` passed on by name, the merged heads reshaped without a copy.
+_COUNTED_HEADS_TEMPLATE = _TEMPLATE.replace(
+    "def forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs):",
+    "def forward(self, hidden_states, position_embeddings, attention_mask, cache, position_ids, **kwargs):").replace(
+    "    input_shape = hidden_states.shape[:-1]\n    hidden_shape = (*input_shape, -1, self.head_dim)\n",
+    "    bsz, q_len, _ = hidden_states.size()\n").replace(_PARTS, _WHOLE + """\
+    query_states = query_states.view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
+    key_states = key_states.view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+    value_states = value_states.view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+    if self.qk_layernorm:
+        query_states = self.q_norm(query_states)
+        key_states = self.k_norm(key_states)
+""").replace(_ROTARY, _PARTIAL_ROTARY).replace(
+    "scaling=self.scaling, **kwargs)", "scaling=self.scaling, position_ids=position_ids, **kwargs)").replace(
+    "attn_output.reshape(*input_shape, -1).contiguous()", "attn_output.reshape(bsz, q_len, -1)")
+
 #: GPT-NeoX's form: one projection, ``query_key_value``, holding each head's queries, keys and values
 #: side by side (``3 * self.head_size`` a head), chunked apart; the cache parameter ``layer_past``,
 #: updated without the call's keywords; the output projection ``dense`` (:data:`_CHILD_NAMES`).
@@ -300,6 +319,9 @@ class Recognised:
     sub_norm: bool = False  # the forward is :data:`_SUB_NORMED_TEMPLATE`'s: ``attn_sub_norm`` of the merged heads
     partial_rotary: bool = False  # the forward rotates the first ``self.rotary_ndims`` dims (:data:`_PARTIAL_ROTARY`)
     interleaved: bool = False  # the forward is :data:`_INTERLEAVED_TEMPLATE`'s: each head's q, k, v side by side
+    # the forward splits heads by the module's head counts (:data:`_COUNTED_HEADS_TEMPLATE`), not by ``-1``
+    counted_heads: bool = False
+    ignored: frozenset[str] = frozenset()  # parameters the forward's body never reads (not passed on either)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Recognised again where it is unpickled (code and the forwarded functions do not pickle)."""
@@ -317,6 +339,7 @@ class _Unify(ast.NodeTransformer):
         self.child_names: dict[str, set[str]] = {}  # each template child name: the names the forward calls it by
         self.passes_position_ids = False
         self.query_scale: Optional[ast.expr] = None
+        self.ignored: frozenset[str] = frozenset()  # the forward's parameters its body never reads
 
     def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
         """``self.<child>`` for the q / k norms and the output projection, by the templates' names
@@ -432,10 +455,16 @@ def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], "_Unify", bool
     # The template's parameters in any order (the direct path reads its arguments by name), a default
     # only None; and maybe ``position_ids``, which the attention call must then pass on by name (as it
     # would reach the attention function in ``**kwargs`` without the parameter).
+    # Other parameters the body never reads (StableLM's ``output_attentions`` and ``use_cache``) are
+    # ignored, whatever their defaults: named, they do not reach the attention function either.
     template = {"hidden_states", "position_embeddings", "attention_mask", *cache}
+    read = {node.id for node in ast.walk(function) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    ignored = set(names[1:]) - template - {"position_ids"}
+    defaulted = names[len(names) - len(args.defaults):]
     if (args.vararg or args.kwonlyargs or args.posonlyargs or args.kwarg is None or names[:1] != ["self"]
-            or len(cache) != 1 or set(names[1:]) - {"position_ids"} != template or len(names) != len(set(names))
-            or not all(isinstance(default, ast.Constant) and default.value is None for default in args.defaults)):
+            or len(cache) != 1 or not template <= set(names) or ignored & read or len(names) != len(set(names))
+            or not all(name in ignored or isinstance(default, ast.Constant) and default.value is None
+                       for name, default in zip(defaulted, args.defaults))):
         return None
     statements = function.body
     if statements and isinstance(statements[0], ast.Expr) and isinstance(statements[0].value, ast.Constant):
@@ -443,6 +472,7 @@ def _body(function: ast.FunctionDef) -> Optional[tuple[list[str], "_Unify", bool
     kept = [statement for statement in statements if not _is_output_dropout(statement)]
     kept = _output_named_as_template(function, kept)
     unify = _Unify(cache[0])
+    unify.ignored = frozenset(ignored)
     dumps = [ast.dump(unify.visit(statement)) for statement in kept]
     if unify.passes_position_ids != ("position_ids" in names):
         return None
@@ -461,6 +491,7 @@ class _Form(NamedTuple):
     sub_norm: bool = False
     partial_rotary: bool = False
     interleaved: bool = False
+    counted_heads: bool = False
 
 
 #: every recognised form but a conditional rotary embedding's, with its source
@@ -472,6 +503,8 @@ _BASE_FORMS = (
     *((source, _Form(qk_norms=form)) for form, source in _QK_NORM_TEMPLATES.items()),
     (_FUSED_TEMPLATE, _Form(fused=True)),
     (_INTERLEAVED_TEMPLATE, _Form(interleaved=True)),
+    (_COUNTED_HEADS_TEMPLATE, _Form(qk_norms="optional transposed", sized=True, partial_rotary=True,
+                                    counted_heads=True)),
     (_SIZED_TEMPLATE, _Form(sized=True)),
     (_GATED_TEMPLATE, _Form(qk_norms="heads", gated=True)),
     (_SCALED_QUERY_TEMPLATE, _Form(scaled_query=True)),
@@ -548,4 +581,4 @@ def recognise(cls: type) -> Optional[Recognised]:
     return Recognised(inner.__code__, tuple((name, evaluated[name]) for name in unify.forwarded), cls, form.qk_norms,
                       form.fused, form.clipped, evaluated.get("rotary condition"), norm_names, optional, form.sized,
                       form.gated, evaluated.get("query scale"), required, out_names, form.sub_norm,
-                      form.partial_rotary, form.interleaved)
+                      form.partial_rotary, form.interleaved, form.counted_heads, unify.ignored)

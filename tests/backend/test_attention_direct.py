@@ -590,3 +590,23 @@ def test_one_projection_holding_each_heads_q_k_and_v_takes_it_bit_for_bit(config
     names = [plan.op for plan in ran]
     assert names.count("rotary_write_kv_cache") == 2 and "rotary_embedding" not in names
     assert fired == [1] and counts["declined"] == 0
+
+
+@pytest.mark.parametrize("config", [{}, dict(qk_layernorm=True), dict(use_parallel_residual=True)])
+def test_heads_split_by_the_modules_head_counts_take_it_bit_for_bit(config):
+    """StableLM splits the whole projections into ``self.num_heads`` / ``self.num_key_value_heads`` heads,
+    norms the transposed heads where ``self.qk_layernorm`` says so, rotates the first ``rotary_ndims``
+    dims, passes ``position_ids`` on, and takes ``output_attentions`` / ``use_cache`` it never reads (not
+    passed on): both paths agree; head counts that are not the merged projection's parts leave the call to
+    the forward."""
+    direct, counts, _, _ = _both_paths_agree(lambda: _rewired_from_config("stablelm", **config))
+    attention = _paged(direct)[0]
+    recognised = recognise(type(attention)._hw_agnostic_base)
+    assert recognised.counted_heads and recognised.ignored == {"output_attentions", "use_cache"}
+    with torch.no_grad(), ops.trace_dispatch() as ran:
+        direct(prompt(batch=1, length=3))
+    assert [plan.op for plan in ran].count("rotary_write_kv_cache") == 2 and counts["declined"] == 0
+    attention.num_heads = attention.num_heads // 2  # the forward's own view raises
+    with pytest.raises(RuntimeError, match="invalid for input of size"), torch.no_grad():
+        direct(prompt(batch=1, length=3))
+    assert counts["declined"] == 1
