@@ -254,24 +254,32 @@ _MERGED = "    attn_output = attn_output.reshape(*input_shape, -1).contiguous()\
 #: BitNet's form: the merged heads normed by ``self.attn_sub_norm`` before ``o_proj``.
 _SUB_NORMED_TEMPLATE = _TEMPLATE.replace(_MERGED, _MERGED + "    attn_output = self.attn_sub_norm(attn_output)\n")
 
-#: StableLM's form: the input's batch and query sizes unpacked, the whole projections split into the
-#: module's own head counts (``self.num_heads``, ``self.num_key_value_heads``), the transposed heads
-#: normed where ``self.qk_layernorm`` says so, the first ``rotary_ndims`` dims rotated
-#: (:data:`_PARTIAL_ROTARY`), ``position_ids`` passed on by name, the merged heads reshaped without a copy.
-_COUNTED_HEADS_TEMPLATE = _TEMPLATE.replace(
+def _counted_heads(source: str) -> str:
+    """``source`` (:data:`_SIZED_TEMPLATE`'s views) with each projection split into the module's own head
+    counts (``self.num_heads``, ``self.num_key_value_heads``) instead of ``-1`` heads."""
+    for name, count in (("query", "num_heads"), ("key", "num_key_value_heads"), ("value", "num_key_value_heads")):
+        source = source.replace(f"{name}_states.view(bsz, q_len, -1, self.head_dim)",
+                                f"{name}_states.view(bsz, q_len, self.{count}, self.head_dim)")
+    return source
+
+
+#: The sized template splitting the projections by the module's head counts: Mllama's text self-attention.
+_COUNTED_HEADS_TEMPLATE = _counted_heads(_SIZED_TEMPLATE)
+
+#: StableLM's form: the counted heads, the transposed heads normed where ``self.qk_layernorm`` says so,
+#: the first ``rotary_ndims`` dims rotated (:data:`_PARTIAL_ROTARY`), ``position_ids`` passed on by name,
+#: the merged heads reshaped without a copy.
+_STABLELM_TEMPLATE = _COUNTED_HEADS_TEMPLATE.replace(
     "def forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs):",
     "def forward(self, hidden_states, position_embeddings, attention_mask, cache, position_ids, **kwargs):").replace(
-    "    input_shape = hidden_states.shape[:-1]\n    hidden_shape = (*input_shape, -1, self.head_dim)\n",
-    "    bsz, q_len, _ = hidden_states.size()\n").replace(_PARTS, _WHOLE + """\
-    query_states = query_states.view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-    key_states = key_states.view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
-    value_states = value_states.view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+    "    cos, sin = position_embeddings\n", """\
     if self.qk_layernorm:
         query_states = self.q_norm(query_states)
         key_states = self.k_norm(key_states)
+    cos, sin = position_embeddings
 """).replace(_ROTARY, _PARTIAL_ROTARY).replace(
     "scaling=self.scaling, **kwargs)", "scaling=self.scaling, position_ids=position_ids, **kwargs)").replace(
-    "attn_output.reshape(*input_shape, -1).contiguous()", "attn_output.reshape(bsz, q_len, -1)")
+    "attn_output.reshape(bsz, q_len, -1).contiguous()", "attn_output.reshape(bsz, q_len, -1)")
 
 #: GPT-NeoX's form: one projection, ``query_key_value``, holding each head's queries, keys and values
 #: side by side (``3 * self.head_size`` a head), chunked apart; the cache parameter ``layer_past``,
@@ -319,7 +327,7 @@ class Recognised:
     sub_norm: bool = False  # the forward is :data:`_SUB_NORMED_TEMPLATE`'s: ``attn_sub_norm`` of the merged heads
     partial_rotary: bool = False  # the forward rotates the first ``self.rotary_ndims`` dims (:data:`_PARTIAL_ROTARY`)
     interleaved: bool = False  # the forward is :data:`_INTERLEAVED_TEMPLATE`'s: each head's q, k, v side by side
-    # the forward splits heads by the module's head counts (:data:`_COUNTED_HEADS_TEMPLATE`), not by ``-1``
+    # the forward splits heads by the module's head counts (:func:`_counted_heads`), not by ``-1``
     counted_heads: bool = False
     ignored: frozenset[str] = frozenset()  # parameters the forward's body never reads (not passed on either)
 
@@ -503,8 +511,8 @@ _BASE_FORMS = (
     *((source, _Form(qk_norms=form)) for form, source in _QK_NORM_TEMPLATES.items()),
     (_FUSED_TEMPLATE, _Form(fused=True)),
     (_INTERLEAVED_TEMPLATE, _Form(interleaved=True)),
-    (_COUNTED_HEADS_TEMPLATE, _Form(qk_norms="optional transposed", sized=True, partial_rotary=True,
-                                    counted_heads=True)),
+    (_COUNTED_HEADS_TEMPLATE, _Form(sized=True, counted_heads=True)),
+    (_STABLELM_TEMPLATE, _Form(qk_norms="optional transposed", sized=True, partial_rotary=True, counted_heads=True)),
     (_SIZED_TEMPLATE, _Form(sized=True)),
     (_GATED_TEMPLATE, _Form(qk_norms="heads", gated=True)),
     (_SCALED_QUERY_TEMPLATE, _Form(scaled_query=True)),

@@ -610,3 +610,18 @@ def test_heads_split_by_the_modules_head_counts_take_it_bit_for_bit(config):
     with pytest.raises(RuntimeError, match="invalid for input of size"), torch.no_grad():
         direct(prompt(batch=1, length=3))
     assert counts["declined"] == 1
+
+
+def test_the_sized_form_split_by_head_counts_takes_it_bit_for_bit():
+    """Mllama's text self-attention splits the whole projections into ``self.num_heads`` /
+    ``self.num_key_value_heads`` heads of the unpacked batch and query sizes: both paths agree."""
+    from tests.zoo.families import build as build_family
+
+    def rewired():
+        model = build_family("mllama")
+        rewire(model)
+        return model
+
+    direct, *_ = _both_paths_agree(rewired)
+    recognised = recognise(type(_paged(direct)[0])._hw_agnostic_base)
+    assert recognised.counted_heads and recognised.sized and not recognised.partial_rotary
