@@ -213,10 +213,13 @@ _CONDITION = "__rotary_condition__"
 #: A form's rotary embedding applied only where a test of the module's own attributes holds, read on
 #: every call, with the rotary tables unpacked before the test (Exaone-4: not on the global layers of a
 #: model with sliding ones; Cohere-2: on the sliding layers alone) or inside it (SmolLM3: the layers
-#: that ``use_rope``). Each form of :data:`_FORMS` is recognised with either.
+#: that ``use_rope``; OLMo-Hybrid, with the tables set to None before). Each form of :data:`_FORMS` is
+#: recognised with any of these.
 _CONDITIONAL_ROTARY = (
     (_UNPACK + _ROTARY, _UNPACK + f"    if {_CONDITION}:\n    " + _ROTARY),
     (_UNPACK + _ROTARY, f"    if {_CONDITION}:\n    " + _UNPACK + "    " + _ROTARY),
+    # the tables first set to None, read by nothing after the test (OLMo-Hybrid's NoPE layers)
+    (_UNPACK + _ROTARY, "    cos, sin = None, None\n" + f"    if {_CONDITION}:\n    " + _UNPACK + "    " + _ROTARY),
 )
 
 #: The template spelt with the batch and query sizes (Qwen2-VL, Qwen2.5-VL, Qwen2.5-Omni, GLM-4V's text

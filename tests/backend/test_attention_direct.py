@@ -67,14 +67,14 @@ def _generate(model, ids, steps=6):
 
 def _both_paths_agree(rewired):
     """A prompt and five decode steps of the models ``rewired()`` builds, one through the direct path
-    and one through the general path: every call of the first takes the direct path (two layers,
-    prompt and five steps), and tokens and logits agree bit for bit. Returns the direct model, its
-    counts, tokens and logits."""
+    and one through the general path: every call of the first takes the direct path (each paged
+    layer, prompt and five steps), and tokens and logits agree bit for bit. Returns the direct model,
+    its counts, tokens and logits."""
     direct, general = rewired(), _without_direct(rewired())
     counts = _count_direct(direct)
     ids = prompt(batch=1, length=14)
     (got_tokens, got_logits), (want_tokens, want_logits) = _generate(direct, ids), _generate(general, ids)
-    assert counts == {"taken": 2 * 6, "declined": 0}
+    assert counts == {"taken": len(_paged(direct)) * 6, "declined": 0} and _paged(direct)
     assert torch.equal(got_tokens, want_tokens) and torch.equal(got_logits, want_logits)
     return direct, counts, got_tokens, got_logits
 
@@ -625,3 +625,23 @@ def test_the_sized_form_split_by_head_counts_takes_it_bit_for_bit():
     direct, *_ = _both_paths_agree(rewired)
     recognised = recognise(type(_paged(direct)[0])._hw_agnostic_base)
     assert recognised.counted_heads and recognised.sized and not recognised.partial_rotary
+
+
+@pytest.mark.parametrize("position_embeddings", [True, False])
+def test_tables_set_to_none_before_the_rotary_test_take_it_bit_for_bit(position_embeddings):
+    """OLMo-Hybrid sets ``cos, sin = None, None`` and rotates only where the call brings tables (its NoPE
+    layers bring none): both paths agree, with and without tables."""
+    from tests.zoo.families import build as build_family
+
+    def rewired():
+        model = build_family("olmo_hybrid")
+        rewire(model)
+        if not position_embeddings:  # a NoPE model: its layers get no tables
+            for attention in _paged(model):
+                attention.register_forward_pre_hook(
+                    lambda module, args, kwargs: (args, {**kwargs, "position_embeddings": None}), with_kwargs=True)
+        return model
+
+    direct, *_ = _both_paths_agree(rewired)
+    recognised = recognise(type(_paged(direct)[0])._hw_agnostic_base)
+    assert recognised.rotary_optional and recognised.qk_norms == "whole"
