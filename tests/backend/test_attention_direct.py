@@ -330,16 +330,30 @@ def test_a_forward_whose_head_norms_a_flag_switches_takes_it_bit_for_bit(use_qk_
     direct, counts, _, _ = _both_paths_agree(lambda: _rewired_from_config("cohere", use_qk_norm=use_qk_norm))
     attention = _paged(direct)[0]
     assert recognise(type(attention)._hw_agnostic_base).qk_norms == "optional heads"
-    if use_qk_norm:  # the flag is read per call: off, the norms are not called
-        seen = []
-        attention.q_norm.register_forward_hook(lambda *_: seen.append("q"))
-        attention.use_qk_norm = False
+    if use_qk_norm:
+        _norm_called_only_while_flagged(direct, counts, "q_norm", "use_qk_norm")
+
+
+def _norm_called_only_while_flagged(direct, counts, norm, flag):
+    """A call with ``flag`` off does not call the q norm ``norm``, one with it on does: the flag is
+    read on every call, which takes the direct path either way."""
+    attention = _paged(direct)[0]
+    seen = []
+    getattr(attention, norm).register_forward_hook(lambda *_: seen.append(1))
+    for on in (False, True):
+        setattr(attention, flag, on)
         with torch.no_grad():
             direct(prompt(batch=1, length=3))
-        attention.use_qk_norm = True
-        with torch.no_grad():
-            direct(prompt(batch=1, length=3))
-        assert seen == ["q"] and counts["declined"] == 0
+    assert seen == [1] and counts["declined"] == 0
+
+
+def _rotates_in_the_write(direct):
+    """Whether a call of ``direct`` rotates its queries and keys in the step's write (every layer) and
+    nowhere else."""
+    with torch.no_grad(), ops.trace_dispatch() as ran:
+        direct(prompt(batch=1, length=3))
+    names = [plan.op for plan in ran]
+    return names.count("rotary_write_kv_cache") == len(_paged(direct)) and "rotary_embedding" not in names
 
 
 def test_a_forward_dropping_out_its_merged_heads_takes_it_bit_for_bit():
@@ -531,17 +545,9 @@ def test_a_partial_rotary_embedding_takes_it_bit_for_bit(qk_layernorm, partial_r
     recognised = recognise(type(attention)._hw_agnostic_base)
     assert recognised.partial_rotary and recognised.qk_norms == "optional transposed"
     assert recognised.out_names == ("dense",)
-    with torch.no_grad(), ops.trace_dispatch() as ran:
-        direct(prompt(batch=1, length=3))
-    names = [plan.op for plan in ran]
-    assert names.count("rotary_write_kv_cache") == 2 and "rotary_embedding" not in names and counts["declined"] == 0
-    if qk_layernorm:  # the flag is read per call: off, the norms are not called
-        seen = []
-        attention.q_layernorm.register_forward_hook(lambda *_: seen.append("q"))
-        attention.qk_layernorm = False
-        with torch.no_grad():
-            direct(prompt(batch=1, length=3))
-        assert seen == [] and counts["declined"] == 0
+    assert _rotates_in_the_write(direct) and counts["declined"] == 0
+    if qk_layernorm:
+        _norm_called_only_while_flagged(direct, counts, "q_layernorm", "qk_layernorm")
 
 
 def _llama_spelt(tmp_path, source):
@@ -585,11 +591,7 @@ def test_one_projection_holding_each_heads_q_k_and_v_takes_it_bit_for_bit(config
     assert recognised.interleaved and recognised.out_names == ("dense",)
     fired = []
     attention.query_key_value.register_forward_hook(lambda *_: fired.append(1))
-    with torch.no_grad(), ops.trace_dispatch() as ran:
-        direct(prompt(batch=1, length=3))
-    names = [plan.op for plan in ran]
-    assert names.count("rotary_write_kv_cache") == 2 and "rotary_embedding" not in names
-    assert fired == [1] and counts["declined"] == 0
+    assert _rotates_in_the_write(direct) and fired == [1] and counts["declined"] == 0
 
 
 @pytest.mark.parametrize("config", [{}, dict(qk_layernorm=True), dict(use_parallel_residual=True)])
@@ -603,9 +605,7 @@ def test_heads_split_by_the_modules_head_counts_take_it_bit_for_bit(config):
     attention = _paged(direct)[0]
     recognised = recognise(type(attention)._hw_agnostic_base)
     assert recognised.counted_heads and recognised.ignored == {"output_attentions", "use_cache"}
-    with torch.no_grad(), ops.trace_dispatch() as ran:
-        direct(prompt(batch=1, length=3))
-    assert [plan.op for plan in ran].count("rotary_write_kv_cache") == 2 and counts["declined"] == 0
+    assert _rotates_in_the_write(direct) and counts["declined"] == 0
     attention.num_heads = attention.num_heads // 2  # the forward's own view raises
     with pytest.raises(RuntimeError, match="invalid for input of size"), torch.no_grad():
         direct(prompt(batch=1, length=3))
