@@ -324,6 +324,9 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
         kwargs[name] = value_of(module)
     out, weights = attend_paged(module, state, batch, query, key, value, mask, module.scaling, 0.0, kwargs)
     (o_proj,) = own_attributes(module, "_modules", recognised.out_names)
+    head_gate = module.g_proj if recognised.head_gate else None
+    if head_gate is not None:  # each head's output by its gate, ``[B, q, H, 1]``, as the forward scales it
+        out = out * torch.sigmoid(call_in(plain, head_gate, hidden)).unsqueeze(-1)
     out = out.reshape(*input_shape, -1).contiguous()
     if gate is not None:
         out = out * torch.sigmoid(gate)

@@ -254,6 +254,12 @@ _QUERY_SCALE = "__query_scale__"
 _SCALED_QUERY_TEMPLATE = _TEMPLATE.replace(_ROTARY, _ROTARY + f"    query_states = query_states * {_QUERY_SCALE}\n")
 
 _MERGED = "    attn_output = attn_output.reshape(*input_shape, -1).contiguous()\n"
+#: LFM3's form: Qwen3's per-head q/k norms, and where ``self.g_proj`` is set, each head's output scaled by
+#: a gate of the input, ``torch.sigmoid(self.g_proj(hidden_states))`` (one value a head), before the merge.
+_HEAD_GATED_TEMPLATE = _QK_NORM_TEMPLATES["heads"].replace(_MERGED, """\
+    if self.g_proj is not None:
+        attn_output = attn_output * torch.sigmoid(self.g_proj(hidden_states)).unsqueeze(-1)
+""" + _MERGED)
 #: BitNet's form: the merged heads normed by ``self.attn_sub_norm`` before ``o_proj``.
 _SUB_NORMED_TEMPLATE = _TEMPLATE.replace(_MERGED, _MERGED + "    attn_output = self.attn_sub_norm(attn_output)\n")
 
@@ -333,6 +339,7 @@ class Recognised:
     # the forward splits heads by the module's head counts (:func:`_counted_heads`), not by ``-1``
     counted_heads: bool = False
     ignored: frozenset[str] = frozenset()  # parameters the forward's body never reads (not passed on either)
+    head_gate: bool = False  # the forward is :data:`_HEAD_GATED_TEMPLATE`'s: each head's output gated where g_proj is set
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Recognised again where it is unpickled (code and the forwarded functions do not pickle)."""
@@ -503,6 +510,7 @@ class _Form(NamedTuple):
     partial_rotary: bool = False
     interleaved: bool = False
     counted_heads: bool = False
+    head_gate: bool = False
 
 
 #: every recognised form but a conditional rotary embedding's, with its source
@@ -520,6 +528,7 @@ _BASE_FORMS = (
     (_GATED_TEMPLATE, _Form(qk_norms="heads", gated=True)),
     (_SCALED_QUERY_TEMPLATE, _Form(scaled_query=True)),
     (_SUB_NORMED_TEMPLATE, _Form(sub_norm=True)),
+    (_HEAD_GATED_TEMPLATE, _Form(qk_norms="heads", head_gate=True)),
     *((source, _Form(qk_norms=form, clipped=True)) for form, source in _CLIPPED_TEMPLATES.items()),
 )
 #: every recognised form: its source, its :class:`_Form` and whether its rotary
@@ -565,7 +574,7 @@ def recognise(cls: type) -> Optional[Recognised]:
     out_names = (next(iter(unify.child_names.get("o_proj", {"o_proj"}))),)
     if dropped and inner.__globals__.get("nn") is not nn:  # its dropout is not torch's
         return None
-    if (form.gated or form.partial_rotary) and inner.__globals__.get("torch") is not torch:
+    if (form.gated or form.partial_rotary or form.head_gate) and inner.__globals__.get("torch") is not torch:
         return None  # its chunk and sigmoid, or its cat, are not torch's
     local = {a.arg for a in function.args.args} | {function.args.kwarg.arg} | {
         n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
@@ -592,4 +601,4 @@ def recognise(cls: type) -> Optional[Recognised]:
     return Recognised(inner.__code__, tuple((name, evaluated[name]) for name in unify.forwarded), cls, form.qk_norms,
                       form.fused, form.clipped, evaluated.get("rotary condition"), norm_names, optional, form.sized,
                       form.gated, evaluated.get("query scale"), required, out_names, form.sub_norm,
-                      form.partial_rotary, form.interleaved, form.counted_heads, unify.ignored)
+                      form.partial_rotary, form.interleaved, form.counted_heads, unify.ignored, form.head_gate)

@@ -383,6 +383,9 @@ def _default_probe(model: nn.Module) -> Callable[[], Any]:
     return run
 
 
+_QKV_NAMES = ("q_proj", "k_proj", "v_proj")
+
+
 def _qkv(model: nn.Module, report: RewireReport, options: Options) -> list[Change]:
     try:
         groups = detect_shared_inputs(model, options.probe or _default_probe(model))
@@ -391,6 +394,8 @@ def _qkv(model: nn.Module, report: RewireReport, options: Options) -> list[Chang
         return []
     made: list[Change] = []
     for parent_path, names in groups:
+        if len(names) > 3 and set(_QKV_NAMES) <= set(names):
+            names = list(_QKV_NAMES)  # an attention's q/k/v among more projections of its input (LFM3's head gate)
         parent = model.get_submodule(parent_path)
         linears = [getattr(parent, n) for n in names]
         path = f"{parent_path}.{{{','.join(names)}}}"

@@ -645,3 +645,29 @@ def test_tables_set_to_none_before_the_rotary_test_take_it_bit_for_bit(position_
     direct, *_ = _both_paths_agree(rewired)
     recognised = recognise(type(_paged(direct)[0])._hw_agnostic_base)
     assert recognised.rotary_optional and recognised.qk_norms == "whole"
+
+
+@pytest.mark.parametrize("use_attention_gate", [False, True])
+def test_each_heads_output_gated_where_the_gate_is_set_takes_it_bit_for_bit(use_attention_gate):
+    """LFM3 norms each part's heads, passes its sliding window, and where ``self.g_proj`` is set scales
+    each head's output by ``sigmoid(g_proj(hidden_states))`` before the merge: both paths agree, with and
+    without the gate, and the gate's hook fires. q/k/v are merged although the gate reads their input too
+    (the gate stays a projection of its own)."""
+    from tests.zoo.families import build as build_family
+
+    def rewired():
+        model = build_family("lfm3", use_attention_gate=use_attention_gate)
+        rewire(model)
+        return model
+
+    direct, counts, _, _ = _both_paths_agree(rewired)
+    attention = _paged(direct)[0]
+    assert recognise(type(attention)._hw_agnostic_base).head_gate
+    assert (attention.g_proj is not None) == use_attention_gate and isinstance(attention.qkv_proj, QKVProjection)
+    assert not use_attention_gate or isinstance(attention.g_proj, torch.nn.Linear)
+    if use_attention_gate:
+        fired = []
+        attention.g_proj.register_forward_hook(lambda *_: fired.append(1))
+        with torch.no_grad():
+            direct(prompt(batch=1, length=3))
+        assert fired == [1] and counts["declined"] == 0
