@@ -46,7 +46,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from ..layers.attention import _CACHE_NAMES, _STATE
+from ..layers.attention import _STATE
 from ..layers.module_call import call_in, no_global_hooks, own_attributes, plain_calls
 from ..layers.qkv import QKVPart, QKVProjection
 from .attention import (
@@ -56,8 +56,6 @@ from .attention_forms import Recognised, recognise
 
 #: keywords of a call that the forward would pass on to the attention function, which reads them
 _PASSED_ON = ("sliding_window", "softcap", "s_aux")
-#: a call's arguments the forward takes by name (the rest reach the attention function as ``**kwargs``)
-_NOT_PASSED_ON = frozenset({"hidden_states", "position_embeddings", "attention_mask", *_CACHE_NAMES})
 
 
 
@@ -207,7 +205,7 @@ def direct_forward(recognised: Recognised, module: nn.Module, arguments: dict[st
     for name, given in arguments.items():  # a loop, not generators (about 1 µs less), which Dynamo traces too
         if name in _PASSED_ON:
             return NotImplemented
-        if name not in _NOT_PASSED_ON and name not in state.cache_names and name not in recognised.ignored:
+        if name not in recognised.not_passed_on:
             kwargs[name] = given
     cache = None
     for name in state.cache_names:

@@ -73,6 +73,8 @@ from ..layers.attention import _CACHE_NAMES
 
 #: the names a recognised forward takes its cache by (GPT-NeoX's ``layer_past`` too)
 _FORWARD_CACHE_NAMES = (*_CACHE_NAMES, "layer_past")
+#: a call's arguments every recognised forward takes by name (the rest reach the attention function as ``**kwargs``)
+_TAKEN_BY_NAME = frozenset({"hidden_states", "position_embeddings", "attention_mask", *_CACHE_NAMES})
 
 #: the attention call's keywords the direct path evaluates; ``dropout`` is set aside (no call in
 #: training takes the direct path), any other keyword leaves the forward unrecognised
@@ -133,6 +135,13 @@ _VIEWS = """\
     value_states = value_states.view(hidden_shape).transpose(1, 2)
 """
 
+#: the transposed heads normed where ``self.qk_layernorm`` says so (Phi, StableLM)
+_FLAGGED_NORMS = """\
+    if self.qk_layernorm:
+        query_states = self.q_norm(query_states)
+        key_states = self.k_norm(key_states)
+"""
+
 #: The template with per-head norms of the queries and keys before the rotary embedding, by where
 #: they are applied: ``"heads"``, to each part's ``[B, T, H, D]`` heads before the transpose (Qwen3 and
 #: its derivatives, dots1, Mellum); ``"transposed"``, to the transposed ``[B, H, T, D]`` heads, as
@@ -164,11 +173,7 @@ _QK_NORM_TEMPLATES = {
     key_states = key_states.transpose(1, 2)
     value_states = value_states.transpose(1, 2)
 """),
-    "optional transposed": _TEMPLATE.replace(_PARTS, _PARTS + """\
-    if self.qk_layernorm:
-        query_states = self.q_norm(query_states)
-        key_states = self.k_norm(key_states)
-"""),
+    "optional transposed": _TEMPLATE.replace(_PARTS, _PARTS + _FLAGGED_NORMS),
     "whole": _TEMPLATE.replace(_PARTS, _WHOLE_NORMED + _VIEWS),
     "after rotary": _TEMPLATE.replace(
         "    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)\n",
@@ -263,6 +268,7 @@ _HEAD_GATED_TEMPLATE = _QK_NORM_TEMPLATES["heads"].replace(_MERGED, """\
 #: BitNet's form: the merged heads normed by ``self.attn_sub_norm`` before ``o_proj``.
 _SUB_NORMED_TEMPLATE = _TEMPLATE.replace(_MERGED, _MERGED + "    attn_output = self.attn_sub_norm(attn_output)\n")
 
+
 def _counted_heads(source: str) -> str:
     """``source`` (:data:`_SIZED_TEMPLATE`'s views) with each projection split into the module's own head
     counts (``self.num_heads``, ``self.num_key_value_heads``) instead of ``-1`` heads."""
@@ -281,12 +287,7 @@ _COUNTED_HEADS_TEMPLATE = _counted_heads(_SIZED_TEMPLATE)
 _STABLELM_TEMPLATE = _COUNTED_HEADS_TEMPLATE.replace(
     "def forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs):",
     "def forward(self, hidden_states, position_embeddings, attention_mask, cache, position_ids, **kwargs):").replace(
-    "    cos, sin = position_embeddings\n", """\
-    if self.qk_layernorm:
-        query_states = self.q_norm(query_states)
-        key_states = self.k_norm(key_states)
-    cos, sin = position_embeddings
-""").replace(_ROTARY, _PARTIAL_ROTARY).replace(
+    _UNPACK, _FLAGGED_NORMS + _UNPACK).replace(_ROTARY, _PARTIAL_ROTARY).replace(
     "scaling=self.scaling, **kwargs)", "scaling=self.scaling, position_ids=position_ids, **kwargs)").replace(
     "attn_output.reshape(bsz, q_len, -1).contiguous()", "attn_output.reshape(bsz, q_len, -1)")
 
@@ -340,6 +341,8 @@ class Recognised:
     counted_heads: bool = False
     ignored: frozenset[str] = frozenset()  # parameters the forward's body never reads (not passed on either)
     head_gate: bool = False  # the forward is :data:`_HEAD_GATED_TEMPLATE`'s: each head's output gated where g_proj is set
+    # a call's arguments the forward takes by name (its cache's too, and the ignored ones): not passed on
+    not_passed_on: frozenset[str] = _TAKEN_BY_NAME
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Recognised again where it is unpickled (code and the forwarded functions do not pickle)."""
@@ -601,4 +604,5 @@ def recognise(cls: type) -> Optional[Recognised]:
     return Recognised(inner.__code__, tuple((name, evaluated[name]) for name in unify.forwarded), cls, form.qk_norms,
                       form.fused, form.clipped, evaluated.get("rotary condition"), norm_names, optional, form.sized,
                       form.gated, evaluated.get("query scale"), required, out_names, form.sub_norm,
-                      form.partial_rotary, form.interleaved, form.counted_heads, unify.ignored, form.head_gate)
+                      form.partial_rotary, form.interleaved, form.counted_heads, unify.ignored, form.head_gate,
+                      _TAKEN_BY_NAME | {unify.cache_name} | unify.ignored)
